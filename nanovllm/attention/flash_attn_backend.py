@@ -1,0 +1,44 @@
+"""FlashAttention (the optional flash-attn package), as nano-vllm uses it."""
+
+import torch
+from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+from nanovllm.attention.backend import AttentionBackend, AttentionMetadata
+from nanovllm.kernels.store_kvcache import store_kvcache
+
+
+class FlashAttnBackend(AttentionBackend):
+    name = "flash_attn"
+
+    def store(self, k, v, k_cache, v_cache, slot_mapping):
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.has_prefix:  # read the cached prefix (and the new tokens) from the paged cache
+            k, v, block_table = k_cache, v_cache, meta.block_tables
+        else:
+            block_table = None
+        return flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_q=meta.max_seqlen_q,
+            max_seqlen_k=meta.max_seqlen_k,
+            softmax_scale=scale,
+            causal=True,
+            block_table=block_table,
+        )
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = flash_attn_with_kvcache(
+            q.unsqueeze(1),
+            k_cache,
+            v_cache,
+            cache_seqlens=meta.context_lens,
+            block_table=meta.block_tables,
+            softmax_scale=scale,
+            causal=True,
+        )
+        return out.squeeze(1)

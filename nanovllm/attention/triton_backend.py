@@ -1,0 +1,63 @@
+"""Our own Triton kernels; plain prefill uses torch's varlen flash attention where it exists."""
+
+import inspect
+
+import torch
+
+from nanovllm.attention.backend import AttentionBackend, AttentionMetadata
+from nanovllm.kernels.decode_attention import paged_decode_attention
+from nanovllm.kernels.prefill_attention import paged_prefill_attention
+from nanovllm.kernels.store_kvcache import store_kvcache
+
+
+def _find_varlen_attn():
+    """torch's varlen attention if this torch has a causal, GQA-capable one, else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "enable_gqa" not in params or "scale" not in params:
+        return None
+    if "is_causal" in params:
+        return lambda *args, **kw: varlen_attn(*args, is_causal=True, **kw)
+    if "window_size" in params:
+        return lambda *args, **kw: varlen_attn(*args, window_size=(-1, 0), **kw)
+    return None
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        self.varlen_attn = _find_varlen_attn()
+
+    def store(self, k, v, k_cache, v_cache, slot_mapping):
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not meta.has_prefix and self.varlen_attn is not None and q.is_cuda and q.dtype != torch.float32:
+            return self.varlen_attn(
+                q,
+                k,
+                v,
+                meta.cu_seqlens_q,
+                meta.cu_seqlens_q,
+                meta.max_seqlen_q,
+                meta.max_seqlen_q,
+                scale=scale,
+                enable_gqa=True,
+            )
+        return paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            meta.block_tables,
+            scale,
+            meta.max_seqlen_q,
+        )
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)

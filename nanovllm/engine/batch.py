@@ -1,0 +1,49 @@
+"""The typed boundary between scheduling and execution: what one step computes."""
+
+from dataclasses import dataclass
+
+from nanovllm.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's work, free of scheduler objects so it can be sent to TP workers.
+
+    Sequence ``i`` computes ``token_ids[i]`` at positions ``start_positions[i]`` onward,
+    with its KV blocks in ``block_tables[i]``; the last computed token of every sequence
+    yields logits and a sampled token.
+    """
+
+    is_prefill: bool
+    token_ids: list[list[int]]
+    start_positions: list[int]
+    block_tables: list[list[int]]
+    temperatures: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    min_ps: list[float]
+    seeds: list[int | None]
+    steps: list[int]
+
+    @classmethod
+    def from_sequences(cls, seqs: list[Sequence], is_prefill: bool) -> "StepBatch":
+        if is_prefill:
+            token_ids = [
+                seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + seq.num_scheduled_tokens]
+                for seq in seqs
+            ]
+        else:
+            token_ids = [[seq.last_token] for seq in seqs]
+        params = [seq.params for seq in seqs]
+        return cls(
+            is_prefill=is_prefill,
+            token_ids=token_ids,
+            start_positions=[seq.num_computed_tokens for seq in seqs],
+            block_tables=[seq.block_table for seq in seqs],
+            temperatures=[p.temperature for p in params],
+            top_ks=[p.top_k for p in params],
+            top_ps=[p.top_p for p in params],
+            min_ps=[p.min_p for p in params],
+            seeds=[p.seed for p in params],
+            steps=[seq.num_completion_tokens for seq in seqs],
+        )

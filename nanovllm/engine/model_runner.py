@@ -1,0 +1,248 @@
+"""Runs the model for a :class:`StepBatch`: batch tensors, attention metadata, sampling."""
+
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nanovllm.attention import AttentionMetadata, get_attention_backend
+from nanovllm.config import Config
+from nanovllm.engine.batch import StepBatch
+from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.layers.parallel import TPGroup
+from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.models import MODEL_REGISTRY
+from nanovllm.utils.loader import init_dummy_weights, load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(config: Config, rank: int) -> torch.device:
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available")
+    return torch.device("cuda", rank)
+
+
+def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    dtype = getattr(config.hf_config, "dtype", None) or getattr(config.hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype)
+    if dtype not in DTYPES.values():
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return dtype
+
+
+class ModelRunner:
+    """One per TP rank. Rank 0 returns sampled token ids; other ranks return None."""
+
+    def __init__(self, config: Config, rank: int, dist_init_method: str | None = None):
+        self.config = config
+        self.block_size = config.kvcache_block_size
+        self.device = resolve_device(config, rank)
+        self.dtype = resolve_dtype(config, self.device)
+        self.tp = TPGroup(rank, config.tensor_parallel_size)
+        if self.tp.size > 1:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            # a generous timeout turns a dead peer into an error instead of a hang
+            dist.init_process_group(
+                backend,
+                init_method=dist_init_method,
+                world_size=self.tp.size,
+                rank=rank,
+                timeout=timedelta(minutes=5),
+            )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.attn_backend = get_attention_backend(config.attention_backend, self.device, self.block_size)
+        hf_config = config.hf_config
+        model_cls = MODEL_REGISTRY[next(a for a in hf_config.architectures if a in MODEL_REGISTRY)]
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = model_cls(hf_config, self.tp, self.attn_backend)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_model(self.model, config.model)
+        self.sampler = Sampler()
+        self.attn_layers = [m for m in self.model.modules() if m.__class__.__name__ == "Attention"]
+        self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self, config.max_num_seqs, self.max_blocks_per_seq)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return (self.config.max_model_len + self.block_size - 1) // self.block_size
+
+    # --- KV cache -------------------------------------------------------------------------
+    def _block_bytes(self) -> int:
+        layer = self.attn_layers[0]
+        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
+        return len(self.attn_layers) * self.block_size * per_token
+
+    def _profile_peak_bytes(self) -> int:
+        """Peak memory of a prefill at the full token budget, run against a one-block cache."""
+        layer = self.attn_layers[0]
+        dummy = torch.zeros(
+            2, 1, self.block_size, layer.num_kv_heads, layer.head_dim, dtype=self.dtype, device=self.device
+        )
+        for attn in self.attn_layers:
+            attn.k_cache, attn.v_cache = dummy[0], dummy[1]
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        max_len, budget = self.config.max_model_len, self.config.max_num_batched_tokens
+        lens = [max_len] * (budget // max_len) + ([budget % max_len] if budget % max_len else [])
+        lens = lens[: self.config.max_num_seqs]
+        n = sum(lens)
+        cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=self.device),
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=max(lens),
+            max_seqlen_k=max(lens),
+        )
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(length, device=self.device) for length in lens])
+        hidden = self.model(ids, positions, meta)
+        self.model.compute_logits(hidden[cu[1:].long() - 1])
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def allocate_kv_cache(self) -> int:
+        config = self.config
+        block_bytes = self._block_bytes()
+        if config.num_kvcache_blocks > 0:
+            num_blocks = config.num_kvcache_blocks
+        else:
+            if config.kv_cache_memory_gb is not None:
+                budget = config.kv_cache_memory_gb * 2**30
+            elif self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                peak = self._profile_peak_bytes()
+                # count only this process's memory, and never more than is free now
+                budget = min(total * config.gpu_memory_utilization - peak, free - 2**28)
+            else:
+                budget = 2 * 2**30
+            num_blocks = int(budget // block_bytes)
+            # more blocks than every sequence at full length can use would only waste memory
+            num_blocks = min(num_blocks, config.max_num_seqs * self.max_blocks_per_seq)
+        if self.tp.size > 1:  # ranks may measure slightly different budgets; agree on the least
+            t = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            num_blocks = int(t.item())
+        if num_blocks * self.block_size < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {max(num_blocks, 0) * self.block_size} tokens, less than one sequence "
+                f"of max_model_len={config.max_model_len}: raise gpu_memory_utilization / "
+                f"kv_cache_memory_gb / num_kvcache_blocks, or lower max_model_len"
+            )
+        layer = self.attn_layers[0]
+        self.kv_cache = torch.zeros(
+            2,
+            len(self.attn_layers),
+            num_blocks,
+            self.block_size,
+            layer.num_kv_heads,
+            layer.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        for i, attn in enumerate(self.attn_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        return num_blocks
+
+    # --- one step -------------------------------------------------------------------------
+    def _to_device(self, data, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.as_tensor(data, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _block_table_array(self, batch: StepBatch, width: int) -> np.ndarray:
+        table = np.zeros((len(batch.block_tables), width), dtype=np.int32)
+        for i, blocks in enumerate(batch.block_tables):
+            table[i, : len(blocks)] = blocks
+        return table
+
+    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        q_lens = np.fromiter((len(t) for t in batch.token_ids), dtype=np.int64, count=len(batch.token_ids))
+        starts = np.asarray(batch.start_positions, dtype=np.int64)
+        context_lens = starts + q_lens
+        table = self._block_table_array(batch, int((context_lens.max() + bs - 1) // bs))
+        seq_index = np.repeat(np.arange(len(q_lens)), q_lens)
+        cu_q = np.concatenate([[0], np.cumsum(q_lens)])
+        positions = np.arange(int(cu_q[-1])) - np.repeat(cu_q[:-1], q_lens) + starts[seq_index]
+        slots = table[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        input_ids = [t for tokens in batch.token_ids for t in tokens]
+        meta = AttentionMetadata(
+            is_prefill=batch.is_prefill,
+            slot_mapping=self._to_device(slots, torch.int64),
+            context_lens=self._to_device(context_lens, torch.int32),
+            block_tables=self._to_device(table, torch.int32),
+            cu_seqlens_q=self._to_device(cu_q, torch.int32) if batch.is_prefill else None,
+            cu_seqlens_k=self._to_device(np.concatenate([[0], np.cumsum(context_lens)]), torch.int32)
+            if batch.is_prefill
+            else None,
+            max_seqlen_q=int(q_lens.max()),
+            max_seqlen_k=int(context_lens.max()),
+            has_prefix=bool(starts.any()),
+        )
+        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta
+
+    def _sampling_tensors(self, batch: StepBatch) -> SamplingTensors:
+        st = SamplingTensors(self._to_device(batch.temperatures, torch.float32))
+        st.all_greedy = not any(batch.temperatures)
+        if any(k > 0 for k in batch.top_ks):
+            st.top_ks = self._to_device(batch.top_ks, torch.int64)
+        if any(p < 1 for p in batch.top_ps):
+            st.top_ps = self._to_device(batch.top_ps, torch.float32)
+        if any(p > 0 for p in batch.min_ps):
+            st.min_ps = self._to_device(batch.min_ps, torch.float32)
+        if any(s is not None for s in batch.seeds):
+            st.seeds, st.steps = batch.seeds, batch.steps
+        return st
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> list[int] | None:
+        input_ids, positions, meta = self.prepare(batch)
+        if (
+            not batch.is_prefill
+            and self.graphs is not None
+            and len(batch.token_ids) <= self.graphs.max_batch_size
+        ):
+            hidden = self.graphs.replay(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+            if batch.is_prefill:
+                hidden = hidden[meta.cu_seqlens_q[1:].long() - 1]
+        logits = self.model.compute_logits(hidden)
+        if self.tp.rank != 0:
+            return None
+        return self.sampler(logits, self._sampling_tensors(batch)).tolist()
+
+    def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        for attn in self.attn_layers:
+            attn.k_cache = attn.v_cache = torch.tensor([])
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        if self.tp.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

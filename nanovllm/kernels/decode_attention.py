@@ -1,0 +1,267 @@
+"""Paged decode attention: one query token per sequence against its cached context."""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_BLOCK_N = 64  # KV tokens per inner-loop tile
+_MIN_ROWS = 16  # tl.dot needs M >= 16: the GQA group is padded up to this
+_PROGRAMS_PER_SM = 4  # default split count aims at this many programs per SM
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain-torch reference.
+
+    q: ``[batch, num_heads, head_dim]``; k_cache/v_cache: ``[num_blocks, block_size,
+    num_kv_heads, head_dim]``; block_tables: ``[batch, max_blocks]`` int32 (entries past a
+    sequence's last block are ignored); context_lens: ``[batch]`` int32, >= 1, the number of
+    cached tokens including the current one. Returns ``[batch, num_heads, head_dim]``.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for b, ctx in enumerate(context_lens.tolist()):
+        blocks = block_tables[b, : (ctx + block_size - 1) // block_size].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        qb = q[b].float().view(num_kv_heads, group, head_dim)
+        scores = torch.einsum("hgd,thd->hgt", qb, k) * scale
+        probs = scores.softmax(dim=-1)
+        out[b] = torch.einsum("hgt,thd->hgd", probs, v).reshape(num_heads, head_dim).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    lse_ptr,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program: all GROUP query heads of one KV head over one split of one sequence.
+
+    With NUM_SPLITS == 1 it writes the final output; otherwise the normalised partial output
+    to ``out[seq, head, split]`` (fp32) and its base-2 log-sum-exp to ``lse[seq, head, split]``.
+    """
+    split = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    # Splits are cut per sequence from its real length, in whole tiles; trailing ones may be empty.
+    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q = tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None],
+        other=0.0,
+    )
+    k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
+    v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        toks = tile + offs_n
+        t_mask = toks < end
+        # Masked lanes never touch the table, so padding entries (-1, garbage) are never used.
+        blk = tl.load(bt_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        row = toks % BLOCK_SIZE
+        k = tl.load(
+            k_base + blk[:, None] * stride_kb + row[:, None] * stride_kt,
+            mask=t_mask[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + blk[:, None] * stride_vb + row[:, None] * stride_vt,
+            mask=t_mask[:, None],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # An empty split has l_i == 0: write zeros and lse = -inf so the reduce gives it no weight.
+    nonempty = l_i > 0
+    acc = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        out_offs = seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        # out is contiguous [batch, num_heads, NUM_SPLITS, HEAD_DIM] and lse the same without
+        # HEAD_DIM, so a row's lse index is its out offset / HEAD_DIM.
+        row_offs = seq * stride_ob + heads * stride_oh + split * HEAD_DIM
+        tl.store(out_ptr + row_offs[:, None] + offs_d[None, :], acc, mask=g_mask[:, None])
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + row_offs // HEAD_DIM, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Combine the per-split partial outputs of one (sequence, query head)."""
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < NUM_SPLITS
+    row_ids = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    lse = tl.load(lse_ptr + row_ids, mask=s_mask, other=float("-inf"))
+    # Split 0 always holds tokens (context_len >= 1), so the max is finite.
+    w = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(part_ptr + row_ids[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None])
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # CPU interpreter: any small number keeps the split logic exercised
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, num_sms: int) -> int:
+    """Splits per (sequence, KV head) so the grid has ~_PROGRAMS_PER_SM programs per SM.
+
+    Depends on static shapes only (CUDA-graph safe); capped so that a sequence filling the
+    whole block table still gives every split at least one tile and one block.
+    """
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, batch * num_kv_heads)
+    cap = min(max_blocks, triton.cdiv(max_blocks * block_size, _BLOCK_N))
+    return max(1, min(wanted, cap))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton flash-decoding version of :func:`paged_decode_attention_ref` (same semantics).
+
+    Each program reads a KV tile once for all query heads of its GQA group. The context is
+    cut into ``num_splits`` pieces (default :func:`default_num_splits`) combined by a second
+    kernel. No host syncs; the grid depends only on shapes, so it is CUDA-graph safe.
+    Needs a power-of-two head_dim >= 16 and ``stride(-1) == 1`` for q and the caches.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError("num_heads must be a multiple of num_kv_heads")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache need a unit stride in the last dimension")
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = default_num_splits(
+            batch, num_kv_heads, block_tables.shape[1], block_size, _num_sms(q.device)
+        )
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if num_splits == 1:
+        part, lse = out, out  # lse is unused when the kernel writes the final output
+    else:
+        part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
+        lse = torch.empty(batch, num_heads, num_splits, device=q.device)
+    _decode_split_kernel[(num_splits, num_kv_heads, batch)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        part,
+        lse,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        part.stride(0),
+        part.stride(1),
+        GROUP=group,
+        BLOCK_G=max(_MIN_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=_BLOCK_N,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_heads, batch)](
+            part,
+            lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+        )
+    return out

@@ -1,0 +1,205 @@
+"""Paged prefill attention: new query tokens against a cached prefix plus themselves, causal."""
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_BLOCK_M = 64  # (token, head) rows per program
+_BLOCK_N = 64  # KV tokens per inner-loop tile
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain-torch reference.
+
+    q: ``[total_q, num_heads, head_dim]``, the new tokens of all sequences packed;
+    cu_seqlens_q: ``[batch + 1]`` int32 offsets into q; context_lens: ``[batch]`` int32, the
+    number of cached tokens of each sequence *after* the new tokens were stored (so the new
+    tokens sit at positions ``context_len - q_len ... context_len - 1``). Query at position p
+    attends to keys at positions <= p. The new keys/values must already be in the cache.
+    Returns ``[total_q, num_heads, head_dim]``.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    for b, ctx in enumerate(context_lens.tolist()):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        blocks = block_tables[b, : (ctx + block_size - 1) // block_size].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        qb = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
+        scores = torch.einsum("qhgd,thd->hgqt", qb, k) * scale
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        k_pos = torch.arange(ctx, device=q.device)
+        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        o = torch.einsum("hgqt,thd->qhgd", probs, v).reshape(q_len, num_heads, head_dim)
+        out[q_start:q_end] = o.to(q.dtype)
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_seqlens_q_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program: BLOCK_M rows of one sequence and KV head, a row being (new token, head).
+
+    Rows are the sequence's ``q_len * GROUP`` (token, query head) pairs in token-major order,
+    so every KV tile is read once for all query heads of the group.
+    """
+    tile_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    row0 = tile_m * BLOCK_M
+    if row0 >= q_len * GROUP:
+        return
+    ctx = tl.load(context_lens_ptr + seq)
+    prefix = ctx - q_len
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    r_mask = rows < q_len * GROUP
+    tok = rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    pos = prefix + tok  # absolute position of each row's token; it sees keys <= pos
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=r_mask[:, None],
+        other=0.0,
+    )
+    k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
+    v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Keys needed by the last real token of this tile; key 0 is visible to every row.
+    kv_end = prefix + tl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1) + 1
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for tile in range(0, kv_end, BLOCK_N):
+        keys = tile + offs_n
+        k_mask = keys < kv_end
+        blk = tl.load(bt_row + keys // BLOCK_SIZE, mask=k_mask, other=0).to(tl.int64)
+        row = keys % BLOCK_SIZE
+        k = tl.load(
+            k_base + blk[:, None] * stride_kb + row[:, None] * stride_kt,
+            mask=k_mask[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + blk[:, None] * stride_vb + row[:, None] * stride_vt,
+            mask=k_mask[:, None],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    o_rows = (q_start + tok).to(tl.int64)
+    out_offs = o_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=r_mask[:, None])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+) -> torch.Tensor:
+    """Triton version of :func:`paged_prefill_attention_ref` (same semantics).
+
+    ``max_seqlen_q`` (host int, >= every q_len) sizes the grid. Each program covers BLOCK_M
+    (token, query head) pairs of one KV head, so K/V tiles are shared across the GQA group.
+    Needs a power-of-two head_dim >= 16 and ``stride(-1) == 1`` for q and the caches.
+    """
+    total_q, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError("num_heads must be a multiple of num_kv_heads")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache need a unit stride in the last dimension")
+    group = num_heads // num_kv_heads
+    batch = cu_seqlens_q.shape[0] - 1
+    out = torch.empty_like(q)
+    if total_q == 0 or batch == 0:
+        return out
+    grid = (triton.cdiv(max_seqlen_q * group, _BLOCK_M), batch, num_kv_heads)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_seqlens_q,
+        context_lens,
+        block_tables,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=_BLOCK_M,
+        BLOCK_N=_BLOCK_N,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
+    )
+    return out

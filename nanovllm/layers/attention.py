@@ -1,0 +1,32 @@
+"""The attention layer: stores this step's K/V in the paged cache, then attends."""
+
+import torch
+from torch import nn
+
+from nanovllm.attention import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Paged attention over one layer's cache; ``k_cache``/``v_cache`` are set by the runner."""
+
+    def __init__(
+        self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, backend: AttentionBackend
+    ):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale, self.num_kv_heads = (
+            num_heads,
+            head_dim,
+            scale,
+            num_kv_heads,
+        )
+        self.backend = backend
+        self.k_cache = self.v_cache = torch.tensor([])
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: ``[tokens, heads, head_dim]``; k, v: ``[tokens, kv_heads, head_dim]``."""
+        self.backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)

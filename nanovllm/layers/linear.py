@@ -1,0 +1,90 @@
+"""Linear layers sharded for tensor parallelism, each parameter with its ``weight_loader``."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.parallel import TPGroup, divide
+
+
+class LinearBase(nn.Module):
+    """``y = x W^T (+ b)`` with W sharded along ``tp_dim`` (0: output, 1: input, None: whole)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup, tp_dim: int | None):
+        super().__init__()
+        self.tp, self.tp_dim = tp, tp_dim
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.tp_dim is not None and not (self.tp_dim == 1 and param.dim() == 1):
+            loaded = loaded.chunk(self.tp.size, self.tp_dim)[self.tp.rank]
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup()):
+        super().__init__(input_size, output_size, bias, tp, None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup()):
+        super().__init__(input_size, divide(output_size, tp.size), bias, tp, 0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections fused into one (e.g. gate and up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp: TPGroup = TPGroup()):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        size = self.output_sizes[shard_id] // self.tp.size
+        param.data.narrow(0, offset, size).copy_(loaded.chunk(self.tp.size, 0)[self.tp.rank])
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projections; heads split across ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp: TPGroup = TPGroup(),
+    ):
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp.size)
+        self.num_kv_heads = divide(num_kv_heads, tp.size)
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded.chunk(self.tp.size, 0)[self.tp.rank])
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs summed with an all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup()):
+        super().__init__(divide(input_size, tp.size), output_size, bias, tp, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the bias is added once, after the reduction
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

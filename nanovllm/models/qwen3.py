@@ -1,0 +1,145 @@
+"""Qwen3 (and the Qwen2 / Llama layouts the same code serves), with Hugging Face names."""
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanovllm.attention import AttentionBackend, AttentionMetadata
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.parallel import TPGroup
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+
+def rope_theta(config: PretrainedConfig) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or params
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raise ValueError(
+            f"unsupported rope scaling {scaling!r}: only default rotary embeddings are implemented"
+        )
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup, backend: AttentionBackend):
+        super().__init__()
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads = num_kv_heads // tp.size
+        # Qwen2 has biases on q/k/v only; Qwen3 and Llama follow ``attention_bias``
+        is_qwen2 = config.model_type == "qwen2"
+        attention_bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            num_kv_heads,
+            attention_bias or is_qwen2,
+            tp,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            attention_bias and not is_qwen2,
+            tp,
+        )
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config))
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend)
+        self.has_qk_norm = config.model_type == "qwen3"
+        if self.has_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.flatten(1, -1))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], False, tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, tp, backend)
+        self.mlp = Qwen3MLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            [Qwen3DecoderLayer(config, tp, backend) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        return self.norm(x, residual)[0]
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Hidden states from :meth:`forward`, logits (on rank 0) from :meth:`compute_logits`."""
+
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: PretrainedConfig, tp: TPGroup, backend: AttentionBackend):
+        super().__init__()
+        self.model = Qwen3Model(config, tp, backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden_states)

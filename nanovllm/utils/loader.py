@@ -1,0 +1,56 @@
+"""Load Hugging Face safetensors into a model through per-parameter ``weight_loader``s."""
+
+import os
+from glob import glob
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    param.data.copy_(loaded)
+
+
+def load_model(model: nn.Module, path: str) -> None:
+    """Copy every tensor of ``path/*.safetensors`` into ``model``, routing packed modules.
+
+    Raises ``FileNotFoundError`` when there are no weights and ``ValueError`` when a
+    parameter of the model received no weight.
+    """
+    files = sorted(glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
+    packed = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(file, "pt", "cpu") as f:
+            for name in f.keys():
+                for source, (target, shard_id) in packed.items():
+                    if source in name:
+                        param_name = name.replace(source, target)
+                        param = params.get(param_name)
+                        if param is not None:
+                            param.weight_loader(param, f.get_tensor(name), shard_id)
+                            loaded.add(param_name)
+                        break
+                else:
+                    param = params.get(name)
+                    if param is None:
+                        continue  # e.g. a tied lm_head.weight, or rotary buffers of old checkpoints
+                    getattr(param, "weight_loader", default_weight_loader)(param, f.get_tensor(name))
+                    loaded.add(name)
+    missing = set(params) - loaded
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks weights for: {sorted(missing)[:8]}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Small random weights (norms at 1) for benchmarking without a checkpoint."""
+    for i, (name, param) in enumerate(model.named_parameters()):
+        if "norm" in name:
+            param.data.fill_(1.0)
+        else:
+            gen = torch.Generator(device=param.device).manual_seed(seed + i)
+            param.data.uniform_(-0.05, 0.05, generator=gen)

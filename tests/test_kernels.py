@@ -1,0 +1,216 @@
+"""Triton kernels vs their torch references, and the references vs a naive computation.
+
+Without CUDA the kernels run through the Triton interpreter on CPU (fp32/fp16 only: the
+interpreter gets bf16 ``tl.dot`` wrong); with CUDA the same checks run on the GPU.
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # Read when @triton.jit runs, i.e. when the kernel modules are first imported.
+    os.environ["TRITON_INTERPRET"] = "1"
+# Imported only now, after the switch above.
+dec = importlib.import_module("nanovllm.kernels.decode_attention")
+pre = importlib.import_module("nanovllm.kernels.prefill_attention")
+store = importlib.import_module("nanovllm.kernels.store_kvcache")
+interpreter = importlib.import_module("triton.runtime.interpreter")
+if DEVICE == "cpu" and not isinstance(dec._decode_split_kernel, interpreter.InterpretedFunction):
+    # Another test module imported the kernels before interpreter mode was on: re-decorate.
+    for _module in (dec, pre, store):
+        importlib.reload(_module)
+
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3}
+
+
+def make_cache(
+    context_lens: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    pad: str = "neg",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random caches with shuffled blocks; table entries past each sequence's end are padding:
+    -1 (``pad="neg"``) or real blocks of other sequences (``pad="garbage"``)."""
+    gen = torch.Generator().manual_seed(seed)
+    used = [(c + block_size - 1) // block_size for c in context_lens]
+    max_blocks = max(used) + 2
+    num_blocks = sum(used) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    if pad == "neg":
+        tables = torch.full((len(context_lens), max_blocks), -1, dtype=torch.int32)
+    else:
+        tables = torch.randint(0, num_blocks, (len(context_lens), max_blocks), generator=gen)
+        tables = tables.int()
+    start = 0
+    for b, n in enumerate(used):
+        tables[b, :n] = perm[start : start + n]
+        start += n
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE), lens.to(DEVICE)
+
+
+def make_q(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, seed=1):
+    """q as the leading slice of a fused qkv tensor, so it is not contiguous."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    return qkv.to(dtype).to(DEVICE)[:, :num_heads]
+
+
+def naive_attention(q, k_cache, v_cache, table, ctx, scale):
+    """One sequence: gather its K/V token by token, then SDPA with an explicit causal mask.
+
+    q: ``[q_len, num_heads, head_dim]``, the last q_len of the ctx positions.
+    """
+    block_size = k_cache.shape[1]
+    slots = [(int(table[t // block_size]), t % block_size) for t in range(ctx)]
+    k = torch.stack([k_cache[b, o] for b, o in slots]).double()  # [ctx, kv_heads, dim]
+    v = torch.stack([v_cache[b, o] for b, o in slots]).double()
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    q_len = q.shape[0]
+    mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(0, 1), k, v, attn_mask=mask.to(q.device), scale=scale
+    )
+    return o.transpose(0, 1)
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kvcache(dtype: torch.dtype) -> None:
+    num_tokens, num_kv_heads, head_dim, block_size = 11, 2, 64, 16
+    qkv = make_q(num_tokens, 4, num_kv_heads, head_dim, dtype)._base
+    key, value = qkv[:, 4:6], qkv[:, 6:8]  # strided views, as split from a fused qkv
+    slots = torch.randperm(5 * block_size)[:num_tokens].int()
+    slots[[2, 7]] = -1
+    k_cache = torch.randn(5, block_size, num_kv_heads, head_dim).to(dtype).to(DEVICE)
+    v_cache = k_cache + 1
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            expected_k.view(-1, num_kv_heads, head_dim)[s] = key[t]
+            expected_v.view(-1, num_kv_heads, head_dim)[s] = value[t]
+    slots = slots.to(DEVICE)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    store.store_kvcache_ref(key, value, ref_k, ref_v, slots)
+    assert torch.equal(ref_k, expected_k) and torch.equal(ref_v, expected_v)
+    store.store_kvcache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+# (block_size, num_kv_heads, head_dim, num_splits, pad); num_heads is always 8.
+DECODE_CASES = [
+    (16, 8, 64, 1, "neg"),
+    (16, 2, 64, None, "garbage"),
+    (32, 4, 64, 3, "neg"),
+    (32, 1, 64, None, "neg"),
+    (64, 2, 128, 1, "garbage"),
+    (64, 1, 64, 5, "garbage"),
+    (16, 4, 64, 16, "neg"),  # more splits than some sequences have tiles
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim,num_splits,pad", DECODE_CASES)
+def test_decode_attention(block_size, num_kv_heads, head_dim, num_splits, pad, dtype) -> None:
+    lens = [1, block_size, block_size + 1, 3 * block_size - 5, 4 * block_size]
+    if block_size == 64:
+        lens = [1, 65, 130, 7]
+    k_cache, v_cache, tables, ctx = make_cache(lens, block_size, num_kv_heads, head_dim, dtype, pad)
+    q = make_q(len(lens), 8, num_kv_heads, head_dim, dtype)
+    scale = head_dim**-0.5
+    out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits)
+    check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, scale), dtype)
+
+
+@pytest.mark.parametrize("pad", ["neg", "garbage"])
+def test_decode_ref_vs_naive(pad: str) -> None:
+    lens = [1, 16, 17, 45]
+    k_cache, v_cache, tables, ctx = make_cache(lens, 16, 2, 64, torch.float32, pad)
+    q = make_q(len(lens), 8, 2, 64, torch.float32)
+    out = dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.2)
+    for b, n in enumerate(lens):
+        naive = naive_attention(q[b : b + 1], k_cache, v_cache, tables[b], n, 0.2)
+        torch.testing.assert_close(out[b : b + 1].double(), naive, atol=1e-5, rtol=1e-5)
+
+
+def test_default_num_splits() -> None:
+    assert dec.default_num_splits(256, 8, 160, 256, 132) == 1
+    assert dec.default_num_splits(1, 8, 160, 256, 132) == 66
+    assert dec.default_num_splits(1, 8, 4, 256, 132) == 4  # at most one split per block
+    assert dec.default_num_splits(1, 8, 8, 16, 132) == 2  # at least one tile per split
+
+
+def test_bad_head_dim() -> None:
+    k_cache, v_cache, tables, ctx = make_cache([5], 16, 1, 96, torch.float32)
+    q = make_q(1, 2, 1, 96, torch.float32)
+    with pytest.raises(ValueError):
+        dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 1.0)
+    with pytest.raises(ValueError):
+        cu = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+        pre.paged_prefill_attention(q, k_cache, v_cache, cu, ctx, tables, 1.0, 1)
+
+
+def prefill_inputs(prefixes, q_lens, block_size, num_kv_heads, head_dim, dtype, pad="neg"):
+    lens = [p + n for p, n in zip(prefixes, q_lens)]
+    k_cache, v_cache, tables, ctx = make_cache(lens, block_size, num_kv_heads, head_dim, dtype, pad)
+    q = make_q(sum(q_lens), 8, num_kv_heads, head_dim, dtype)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().to(DEVICE)
+    return q, k_cache, v_cache, cu, ctx, tables
+
+
+# (block_size, num_kv_heads, head_dim, prefixes, q_lens, pad); num_heads is always 8.
+PREFILL_CASES = [
+    (16, 8, 64, [0, 0, 19, 32, 5], [1, 37, 20, 5, 1], "neg"),
+    (16, 2, 64, [0, 3], [70, 1], "garbage"),
+    (32, 4, 64, [40, 0, 1], [9, 33, 64], "neg"),
+    (32, 1, 128, [0, 50], [25, 14], "garbage"),
+    (64, 2, 64, [70, 0], [3, 66], "neg"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim,prefixes,q_lens,pad", PREFILL_CASES)
+def test_prefill_attention(block_size, num_kv_heads, head_dim, prefixes, q_lens, pad, dtype):
+    args = prefill_inputs(prefixes, q_lens, block_size, num_kv_heads, head_dim, dtype, pad)
+    scale = head_dim**-0.5
+    out = pre.paged_prefill_attention(*args, scale, max(q_lens))
+    check(out, pre.paged_prefill_attention_ref(*args, scale), dtype)
+
+
+def test_prefill_ref_vs_naive() -> None:
+    prefixes, q_lens = [0, 19, 3], [1, 20, 30]
+    q, k_cache, v_cache, cu, ctx, tables = prefill_inputs(
+        prefixes, q_lens, 16, 2, 64, torch.float32, "garbage"
+    )
+    out = pre.paged_prefill_attention_ref(q, k_cache, v_cache, cu, ctx, tables, 0.2)
+    for b in range(len(q_lens)):
+        s, e = int(cu[b]), int(cu[b + 1])
+        naive = naive_attention(q[s:e], k_cache, v_cache, tables[b], int(ctx[b]), 0.2)
+        torch.testing.assert_close(out[s:e].double(), naive, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_matches_prefill_q_len_1() -> None:
+    """Decode is prefill with one new token per sequence."""
+    args = prefill_inputs([0, 20, 47], [1, 1, 1], 16, 2, 64, torch.float32)
+    q, k_cache, v_cache, _, ctx, tables = args
+    out = pre.paged_prefill_attention(*args, 0.2, 1)
+    torch.testing.assert_close(
+        out, dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, 2)
+    )
