@@ -105,7 +105,7 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
         seq.num_hashed_blocks = 0
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the token about to be computed has a slot (a new block if needed)."""

@@ -171,7 +171,8 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def _block_table_array(self, batch: StepBatch, width: int) -> np.ndarray:
+    def _block_table_array(self, batch: StepBatch) -> np.ndarray:
+        width = max(len(blocks) for blocks in batch.block_tables)
         table = np.zeros((len(batch.block_tables), width), dtype=np.int32)
         for i, blocks in enumerate(batch.block_tables):
             table[i, : len(blocks)] = blocks
@@ -182,7 +183,7 @@ class ModelRunner:
         q_lens = np.fromiter((len(t) for t in batch.token_ids), dtype=np.int64, count=len(batch.token_ids))
         starts = np.asarray(batch.start_positions, dtype=np.int64)
         context_lens = starts + q_lens
-        table = self._block_table_array(batch, int((context_lens.max() + bs - 1) // bs))
+        table = self._block_table_array(batch)
         seq_index = np.repeat(np.arange(len(q_lens)), q_lens)
         cu_q = np.concatenate([[0], np.cumsum(q_lens)])
         positions = np.arange(int(cu_q[-1])) - np.repeat(cu_q[:-1], q_lens) + starts[seq_index]

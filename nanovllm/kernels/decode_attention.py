@@ -54,6 +54,7 @@ def _decode_split_kernel(
     out_ptr,
     lse_ptr,
     qk_scale,
+    num_splits,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -70,12 +71,12 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    FINAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program: all GROUP query heads of one KV head over one split of one sequence.
 
-    With NUM_SPLITS == 1 it writes the final output; otherwise the normalised partial output
+    With FINAL (a single split) it writes the output; otherwise the normalised partial output
     to ``out[seq, head, split]`` (fp32) and its base-2 log-sum-exp to ``lse[seq, head, split]``.
     """
     split = tl.program_id(0)
@@ -83,7 +84,7 @@ def _decode_split_kernel(
     seq = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
     # Splits are cut per sequence from its real length, in whole tiles; trailing ones may be empty.
-    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
 
@@ -132,11 +133,11 @@ def _decode_split_kernel(
     # An empty split has l_i == 0: write zeros and lse = -inf so the reduce gives it no weight.
     nonempty = l_i > 0
     acc = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if FINAL:
         out_offs = seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
-        # out is contiguous [batch, num_heads, NUM_SPLITS, HEAD_DIM] and lse the same without
+        # out is contiguous [batch, num_heads, num_splits, HEAD_DIM] and lse the same without
         # HEAD_DIM, so a row's lse index is its out offset / HEAD_DIM.
         row_offs = seq * stride_ob + heads * stride_oh + split * HEAD_DIM
         tl.store(out_ptr + row_offs[:, None] + offs_d[None, :], acc, mask=g_mask[:, None])
@@ -149,10 +150,10 @@ def _decode_reduce_kernel(
     part_ptr,
     lse_ptr,
     out_ptr,
+    num_heads,
+    num_splits,
     stride_ob,
     stride_oh,
-    NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
@@ -161,8 +162,8 @@ def _decode_reduce_kernel(
     seq = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < NUM_SPLITS
-    row_ids = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    s_mask = offs_s < num_splits
+    row_ids = (seq * num_heads + head) * num_splits + offs_s
     lse = tl.load(lse_ptr + row_ids, mask=s_mask, other=float("-inf"))
     # Split 0 always holds tokens (context_len >= 1), so the max is finite.
     w = tl.exp2(lse - tl.max(lse, 0))
@@ -235,6 +236,7 @@ def paged_decode_attention(
         part,
         lse,
         scale * _LOG2E,
+        num_splits,
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],
@@ -247,7 +249,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=_BLOCK_N,
-        NUM_SPLITS=num_splits,
+        FINAL=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
@@ -257,10 +259,10 @@ def paged_decode_attention(
             part,
             lse,
             out,
+            num_heads,
+            num_splits,
             out.stride(0),
             out.stride(1),
-            NUM_HEADS=num_heads,
-            NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
         )

@@ -1,0 +1,112 @@
+"""End to end on CPU: greedy tokens equal HF transformers, whatever the engine's options."""
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+BASE = dict(device="cpu", dtype="float32", max_model_len=512, max_num_seqs=16)
+
+
+def run(model_dir: str, prompts, params=GREEDY, **options) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model_dir, **{**BASE, **options})
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [o["token_ids"] for o in outs], llm
+    finally:
+        llm.exit()
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 256])
+def test_greedy_matches_hf(qwen3_dir, prompts, hf_reference, block_size):
+    ours, _ = run(qwen3_dir, prompts, kvcache_block_size=block_size)
+    assert ours == hf_reference(qwen3_dir, prompts, 24)
+
+
+def test_single_prompt_matches_hf(qwen3_dir, prompts, hf_reference):
+    for p in prompts[2:4]:
+        ours, _ = run(qwen3_dir, [p], kvcache_block_size=16)
+        assert ours == hf_reference(qwen3_dir, [p], 24)
+
+
+def test_qwen2_checkpoint_matches_hf(qwen2_dir, prompts, hf_reference):
+    ours, _ = run(qwen2_dir, prompts, kvcache_block_size=16)
+    assert ours == hf_reference(qwen2_dir, prompts, 24)
+
+
+def test_chunked_prefill_matches_hf(qwen3_dir, prompts, hf_reference):
+    # a budget of 7 tokens splits every prompt longer than that, at chunk ends mid-block
+    ours, _ = run(qwen3_dir, prompts, kvcache_block_size=16, max_num_batched_tokens=7)
+    assert ours == hf_reference(qwen3_dir, prompts, 24)
+
+
+def test_prefix_caching_hits_and_keeps_output(qwen3_dir, prompts, hf_reference):
+    shared = prompts[-1][:48]
+    batch = [shared + [7, 8, 9], shared + [10], shared, shared[:32]]
+    expected = hf_reference(qwen3_dir, batch, 24)
+    llm = LLM(qwen3_dir, **BASE, kvcache_block_size=16)
+    try:
+        first = [o["token_ids"] for o in llm.generate(batch[:1], GREEDY, use_tqdm=False)]
+        seqs = [llm.add_request(p, GREEDY) for p in batch[1:]]
+        while not llm.is_finished():
+            llm.step()
+        # the second wave reuses the first prompt's computed blocks, a 100% hit included
+        assert [s.num_cached_tokens for s in seqs] == [48, 32, 16]
+        assert first + [s.completion_token_ids for s in seqs] == expected
+    finally:
+        llm.exit()
+
+
+def test_prefix_caching_off_gives_same_tokens(qwen3_dir, prompts, hf_reference):
+    ours, _ = run(qwen3_dir, prompts + prompts, kvcache_block_size=16, enable_prefix_caching=False)
+    assert ours == hf_reference(qwen3_dir, prompts, 24) * 2
+
+
+def test_preemption_keeps_output(qwen3_dir, prompts, hf_reference):
+    # 12 blocks of 16 tokens cannot hold every sequence at once: decode must preempt
+    llm = LLM(qwen3_dir, **{**BASE, "max_model_len": 128}, kvcache_block_size=16, num_kvcache_blocks=12)
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.scheduler.num_preemptions > 0
+        assert [o["token_ids"] for o in outs] == hf_reference(qwen3_dir, prompts, 24)
+        assert llm.scheduler.block_manager.num_free_blocks == 12
+    finally:
+        llm.exit()
+
+
+def test_prompt_of_exactly_max_model_len(qwen3_dir, prompts, hf_reference):
+    prompt = (prompts[-1] * 2)[:64]
+    ours, _ = run(qwen3_dir, [prompt], kvcache_block_size=16, max_model_len=64)
+    assert ours == [hf_reference(qwen3_dir, [prompt], 1)[0]]
+
+
+def test_max_num_seqs_not_multiple_of_16(qwen3_dir, prompts, hf_reference):
+    ours, _ = run(qwen3_dir, prompts, kvcache_block_size=16, max_num_seqs=3)
+    assert ours == hf_reference(qwen3_dir, prompts, 24)
+
+
+def test_string_prompts_and_text(qwen3_dir):
+    llm = LLM(qwen3_dir, **BASE, kvcache_block_size=16)
+    try:
+        outs = llm.generate(["Hello, Nano-vLLM.", "introduce yourself"], GREEDY, use_tqdm=False)
+        for o in outs:
+            assert len(o["token_ids"]) == 24
+            assert o["text"] == llm.tokenizer.decode(o["token_ids"], skip_special_tokens=True)
+    finally:
+        llm.exit()
+
+
+def test_eos_and_stop_tokens_end_generation(qwen3_dir, prompts, hf_reference):
+    ref = hf_reference(qwen3_dir, prompts[4:5], 24)[0]
+    stop = ref[5]
+    first = ref.index(stop)
+    ours, _ = run(qwen3_dir, prompts[4:5], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop]))
+    assert ours == [ref[: first + 1]]
+
+
+def test_seeded_sampling_is_reproducible(qwen3_dir, prompts):
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone, _ = run(qwen3_dir, [prompts[3]], params, kvcache_block_size=16)
+    other = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+    batch, _ = run(qwen3_dir, [prompts[1], prompts[3]], [other, params], kvcache_block_size=16)
+    assert batch[1] == alone[0]
