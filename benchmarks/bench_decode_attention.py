@@ -1,0 +1,86 @@
+"""Effective bandwidth of the Triton paged decode attention against a device-to-device copy.
+
+Run from the project root: ``PYTHONPATH=. python3 benchmarks/bench_decode_attention.py [--quick]``.
+Bandwidth counts the K and V bytes the kernel must read: sum(context_lens) * num_kv_heads *
+head_dim * 2 * dtype size. The copy counts bytes read plus bytes written.
+"""
+
+import argparse
+import itertools
+
+import torch
+from triton.testing import do_bench
+
+from nanovllm.kernels.decode_attention import (
+    _num_sms,
+    default_num_splits,
+    paged_decode_attention,
+)
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B attention
+DTYPE = torch.bfloat16
+MAX_CACHE_BYTES = 40e9
+
+
+def copy_bandwidth(num_bytes: int, rep_ms: int) -> float:
+    """GB/s of ``dst.copy_(src)``, counting read + write."""
+    src = torch.empty(num_bytes // 2, dtype=DTYPE, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), rep=rep_ms, return_mode="median")
+    return 2 * num_bytes / ms / 1e6
+
+
+def bench_decode(batch: int, context: int, block_size: int, rep_ms: int) -> tuple[float, int]:
+    """Median microseconds of one decode step with every sequence at ``context`` tokens."""
+    blocks_per_seq = context // block_size
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    # Shuffled blocks, as a real cache fragments over time.
+    perm = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
+    tables = perm.view(batch, blocks_per_seq)
+    ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    ms = do_bench(
+        lambda: paged_decode_attention(q, k_cache, v_cache, tables, ctx, HEAD_DIM**-0.5),
+        rep=rep_ms,
+        return_mode="median",
+    )
+    splits = default_num_splits(batch, NUM_KV_HEADS, blocks_per_seq, block_size, _num_sms(q.device))
+    return ms * 1e3, splits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    rep_ms = 50 if args.quick else 200
+    batches = [1, 256] if args.quick else [1, 16, 256]
+    contexts = [2048, 32768] if args.quick else [512, 2048, 8192, 32768]
+    block_sizes = [256] if args.quick else [256, 16]
+    dtype_bytes = torch.finfo(DTYPE).bits // 8
+
+    copy_gbs = copy_bandwidth(4 * 2**30, rep_ms)
+    print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
+    print(
+        f"{'batch':>5} {'context':>7} {'block':>5} {'splits':>6} {'time us':>9} "
+        f"{'GB/s':>7} {'% copy':>6}"
+    )
+    for block_size, batch, context in itertools.product(block_sizes, batches, contexts):
+        kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * dtype_bytes
+        if kv_bytes > MAX_CACHE_BYTES:
+            continue
+        us, splits = bench_decode(batch, context, block_size, rep_ms)
+        gbs = kv_bytes / us / 1e3
+        print(
+            f"{batch:>5} {context:>7} {block_size:>5} {splits:>6} {us:>9.1f} "
+            f"{gbs:>7.0f} {100 * gbs / copy_gbs:>5.0f}%"
+        )
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

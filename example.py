@@ -1,0 +1,46 @@
+"""Generate completions with nanovllm.
+
+    python example.py                      # ~/huggingface/Qwen3-0.6B, or a small demo model
+    python example.py --model /path/to/Qwen3-0.6B
+"""
+
+import argparse
+import os
+import tempfile
+
+from nanovllm import LLM, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="~/huggingface/Qwen3-0.6B", help="Hugging Face model folder")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    args = parser.parse_args()
+
+    path = os.path.expanduser(args.model)
+    demo = not os.path.isdir(path)
+    if demo:
+        from nanovllm.utils.checkpoint import make_random_checkpoint
+
+        print(f"{path} does not exist: running on a small generated demo checkpoint with RANDOM weights,")
+        print("so the completions below are gibberish. Pass --model DIR for a real model.\n")
+        path = make_random_checkpoint(tempfile.mkdtemp(prefix="nanovllm-demo-"))
+    llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=1, max_model_len=1024)
+    sampling_params = SamplingParams(temperature=0.6, max_tokens=args.max_tokens)
+    prompts = ["introduce yourself", "list all prime numbers within 100"]
+    if not demo and llm.tokenizer.chat_template:
+        prompts = [
+            llm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+            for p in prompts
+        ]
+    outputs = llm.generate(prompts, sampling_params)
+    for prompt, output in zip(prompts, outputs):
+        print(f"\nPrompt: {prompt!r}\nCompletion: {output['text']!r}")
+    llm.exit()
+
+
+if __name__ == "__main__":
+    main()

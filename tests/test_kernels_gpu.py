@@ -1,0 +1,167 @@
+"""CUDA sweep of the Triton kernels against the torch references (skipped without a GPU)."""
+
+import pytest
+import torch
+
+from nanovllm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from nanovllm.kernels.prefill_attention import (
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+)
+from nanovllm.kernels.store_kvcache import store_kvcache, store_kvcache_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DTYPES = [torch.bfloat16, torch.float16]
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+Q_GAIN = 3.0  # peaked attention keeps outputs O(1) at long contexts, so errors stay visible
+
+
+def paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, seed=0):
+    """K/V caches holding ``lens`` tokens per sequence in shuffled blocks; -1 padded tables."""
+    torch.manual_seed(seed)
+    used = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(used) + 1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, device="cuda", dtype=dtype)
+    v_cache = torch.randn(shape, device="cuda", dtype=dtype)
+    perm = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
+    tables = torch.full((len(lens), max(used) + 3), -1, device="cuda", dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(used):
+        tables[b, :n] = perm[start : start + n]
+        start += n
+    ctx = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    return k_cache, v_cache, tables, ctx
+
+
+def decode_lens(batch: int, max_ctx: int) -> list[int]:
+    lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
+    lens[0] = max_ctx
+    if batch > 1:
+        lens[-1] = 1
+    return lens
+
+
+def check(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    tol = TOL[out.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+# (batch, max_ctx, block_size, num_heads, num_kv_heads, head_dim)
+DECODE_CASES = [
+    (1, 32768, 256, 16, 8, 128),
+    (1, 32768, 16, 32, 4, 128),
+    (7, 32768, 64, 16, 16, 128),
+    (7, 3000, 16, 16, 2, 64),
+    (64, 8192, 256, 16, 8, 128),
+    (64, 4096, 16, 8, 8, 64),
+    (256, 2048, 64, 16, 2, 128),
+    (256, 1024, 256, 32, 16, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,max_ctx,block_size,num_heads,num_kv_heads,head_dim", DECODE_CASES)
+def test_decode(batch, max_ctx, block_size, num_heads, num_kv_heads, head_dim, dtype) -> None:
+    lens = decode_lens(batch, max_ctx)
+    k_cache, v_cache, tables, ctx = paged_cache(lens, block_size, num_kv_heads, head_dim, dtype)
+    q = torch.randn(batch, num_heads, head_dim, device="cuda", dtype=dtype) * Q_GAIN
+    scale = head_dim**-0.5
+    out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
+    check(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, scale))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+def test_decode_forced_splits(num_splits: int) -> None:
+    lens = decode_lens(5, 3000)
+    k_cache, v_cache, tables, ctx = paged_cache(lens, 16, 2, 128, torch.bfloat16)
+    q = torch.randn(5, 16, 128, device="cuda", dtype=torch.bfloat16) * Q_GAIN
+    out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, num_splits)
+    check(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.1))
+
+
+def test_decode_cuda_graph() -> None:
+    """Capture once, then replay with other lengths/tables written into the same tensors."""
+    max_ctx, block_size = 4096, 64
+    k_cache, v_cache, tables, ctx = paged_cache([max_ctx] * 8, block_size, 8, 128, torch.bfloat16)
+    q = torch.randn(8, 16, 128, device="cuda", dtype=torch.bfloat16) * Q_GAIN
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up compiles outside the capture
+        paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1)
+    for lens in ([max_ctx] * 8, decode_lens(8, max_ctx), [1] * 8):
+        ctx.copy_(torch.tensor(lens))
+        tables.copy_(tables[torch.randperm(8, device="cuda")])
+        q.normal_().mul_(Q_GAIN)
+        graph.replay()
+        check(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.1))
+
+
+def test_decode_cache_over_2g_elements() -> None:
+    """Cache offsets past 2**31 elements need 64-bit address math."""
+    block_size, num_kv_heads, head_dim = 256, 8, 128
+    num_blocks = 2**31 // (block_size * num_kv_heads * head_dim) + 4
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+    k_cache[-8:].normal_()
+    v_cache[-8:].normal_()
+    tables = torch.arange(num_blocks - 8, num_blocks, device="cuda", dtype=torch.int32)
+    tables = tables.view(2, 4)
+    ctx = torch.tensor([1000, 777], device="cuda", dtype=torch.int32)
+    q = torch.randn(2, 16, head_dim, device="cuda", dtype=torch.bfloat16) * Q_GAIN
+    out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1)
+    check(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.1))
+    # And the store: the last slot of the cache.
+    key, value = torch.randn(2, 2, num_kv_heads, head_dim, device="cuda").bfloat16().unbind(1)
+    slots = torch.tensor([-1, num_blocks * block_size - 1], device="cuda")
+    store_kvcache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[-1, -1], key[1]) and torch.equal(v_cache[-1, -1], value[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kvcache(dtype: torch.dtype) -> None:
+    num_tokens, num_heads, num_kv_heads, head_dim, block_size = 4096, 16, 8, 128, 256
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, device="cuda")
+    qkv = qkv.to(dtype)
+    key = qkv[:, num_heads : num_heads + num_kv_heads]
+    value = qkv[:, num_heads + num_kv_heads :]
+    slots = torch.randperm(40 * block_size, device="cuda")[:num_tokens]
+    slots[::7] = -1
+    k_cache = torch.randn(40, block_size, num_kv_heads, head_dim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    store_kvcache_ref(key, value, ref_k, ref_v, slots)
+    store_kvcache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+# (block_size, num_heads, num_kv_heads, head_dim, [(cached prefix, new tokens), ...])
+PREFILL_CASES = [
+    (256, 16, 8, 128, [(0, 2048), (1000, 1), (4097, 513), (300, 77)]),
+    (16, 32, 4, 128, [(0, 1500), (16 * 37 + 5, 300), (0, 1)]),
+    (64, 16, 16, 64, [(8191, 1024), (0, 17)]),
+    (16, 16, 2, 128, [(p, n) for p, n in zip(range(0, 4096, 64), range(1, 256, 4))]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,seqs", PREFILL_CASES)
+def test_prefill(block_size, num_heads, num_kv_heads, head_dim, seqs, dtype) -> None:
+    q_lens = [n for _, n in seqs]
+    lens = [p + n for p, n in seqs]
+    k_cache, v_cache, tables, ctx = paged_cache(lens, block_size, num_kv_heads, head_dim, dtype)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, device="cuda", dtype=dtype) * Q_GAIN
+    cu = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    scale = head_dim**-0.5
+    out = paged_prefill_attention(q, k_cache, v_cache, cu, ctx, tables, scale, max(q_lens))
+    check(out, paged_prefill_attention_ref(q, k_cache, v_cache, cu, ctx, tables, scale))

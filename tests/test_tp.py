@@ -1,0 +1,61 @@
+"""Tensor parallelism on CPU (gloo): same greedy tokens, clean exit, clear errors."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+OPTIONS = dict(device="cpu", dtype="float32", max_model_len=256, kvcache_block_size=16, max_num_seqs=8)
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_tp2_matches_hf_and_cleans_up(qwen3_dir, prompts, hf_reference):
+    before = shm_entries()
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **OPTIONS)
+    procs = list(llm.executor.procs)
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o["token_ids"] for o in outs] == hf_reference(qwen3_dir, prompts, 16)
+        # a second engine (in another process) alive at the same time works too
+        script = textwrap.dedent(f"""
+            from nanovllm import LLM, SamplingParams
+            if __name__ == "__main__":
+                llm = LLM({qwen3_dir!r}, tensor_parallel_size=2, **{OPTIONS!r})
+                out = llm.generate([{prompts[3]!r}], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                   use_tqdm=False)
+                print(out[0]["token_ids"])
+                llm.exit()
+        """)
+        res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert res.stdout.strip().splitlines()[-1] == str(hf_reference(qwen3_dir, prompts, 16)[3])
+    finally:
+        llm.exit()
+    assert all(not p.is_alive() for p in procs)
+    assert shm_entries() <= before
+
+
+def test_tp_must_divide_heads(qwen3_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        LLM(qwen3_dir, tensor_parallel_size=3, **OPTIONS)
+
+
+def test_dead_worker_raises_instead_of_hanging(qwen3_dir, prompts):
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **OPTIONS)
+    try:
+        proc = llm.executor.procs[0]
+        proc.kill()
+        proc.join()
+        with pytest.raises(RuntimeError, match="worker 1 died"):
+            llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+        assert llm.is_finished()  # nothing left half-scheduled
+    finally:
+        llm.exit()
