@@ -23,7 +23,9 @@ from random import randint, seed
 def workload(args) -> tuple[list[list[int]], list[int]]:
     seed(0)
     low_in, low_out = min(100, args.max_input_len), min(100, args.max_output_len)
-    prompts = [[randint(0, 10000) for _ in range(randint(low_in, args.max_input_len))] for _ in range(args.num_seqs)]
+    prompts = [
+        [randint(0, 10000) for _ in range(randint(low_in, args.max_input_len))] for _ in range(args.num_seqs)
+    ]
     max_tokens = [randint(low_out, args.max_output_len) for _ in range(args.num_seqs)]
     return prompts, max_tokens
 
@@ -43,8 +45,14 @@ def run_nanovllm(args, path, dummy, prompts, max_tokens) -> list[float]:
     from nanovllm import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(path, load_format="dummy" if dummy else "auto", enforce_eager=args.enforce_eager,
-              max_model_len=4096, tensor_parallel_size=args.tp, attention_backend=args.attention_backend)
+    llm = LLM(
+        path,
+        load_format="dummy" if dummy else "auto",
+        enforce_eager=args.enforce_eager,
+        max_model_len=4096,
+        tensor_parallel_size=args.tp,
+        attention_backend=args.attention_backend,
+    )
     print(f"nanovllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
@@ -62,13 +70,24 @@ def run_vllm(args, path, dummy, prompts, max_tokens) -> list[float]:
     from vllm.inputs import TokensPrompt
 
     start = time.perf_counter()
-    llm = LLM(path, load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy, max_model_len=4096,
-              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp)
+    llm = LLM(
+        path,
+        load_format="dummy" if dummy else "auto",
+        skip_tokenizer_init=dummy,
+        max_model_len=4096,
+        enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tp,
+    )
     print(f"vllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, detokenize=False) for n in max_tokens]
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, detokenize=False) for n in max_tokens
+    ]
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])], SamplingParams(max_tokens=16, detokenize=False),
-                 use_tqdm=False)
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=[1, 2, 3, 4])],
+        SamplingParams(max_tokens=16, detokenize=False),
+        use_tqdm=False,
+    )
     times = []
     for _ in range(args.runs):
         start = time.perf_counter()
@@ -89,15 +108,27 @@ def run_hf(args, path, dummy, prompts, max_tokens) -> list[float]:
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model = model.to(device).eval()
-    config = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, eos_token_id=None,
-                              pad_token_id=0, max_new_tokens=max(max_tokens))
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=0.6,
+        top_k=0,
+        top_p=1.0,
+        eos_token_id=None,
+        pad_token_id=0,
+        max_new_tokens=max(max_tokens),
+    )
     model.generation_config.eos_token_id = None
     longest = max(map(len, prompts))
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
     with torch.inference_mode():
-        model.generate(ids[:1, -4:], attention_mask=mask[:1, -4:], generation_config=GenerationConfig(
-            do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0))
+        model.generate(
+            ids[:1, -4:],
+            attention_mask=mask[:1, -4:],
+            generation_config=GenerationConfig(
+                do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0
+            ),
+        )
         times = []
         for _ in range(args.runs):
             start = time.perf_counter()
@@ -112,11 +143,17 @@ ENGINES = {"nanovllm": run_nanovllm, "vllm": run_vllm, "hf": run_hf}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--engine", default="nanovllm", help="nanovllm, vllm, hf, or a comma-separated list")
     parser.add_argument("--model", default=None, help="model folder (default: random Qwen3 weights)")
-    parser.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "qwen3-8b"],
-                        help="model shape for random weights")
+    parser.add_argument(
+        "--shape",
+        default="qwen3-0.6b",
+        choices=["qwen3-0.6b", "qwen3-8b"],
+        help="model shape for random weights",
+    )
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
@@ -136,7 +173,9 @@ def main() -> None:
         argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--engine" and sys.argv[i] != "--engine"]
         argv = [a for a in argv if not a.startswith("--engine=")]
         for engine in engines:
-            subprocess.run([sys.executable, __file__, "--engine", engine, "--json", results, *argv], check=False)
+            subprocess.run(
+                [sys.executable, __file__, "--engine", engine, "--json", results, *argv], check=False
+            )
         with open(results) as f:
             rows = [json.loads(line) for line in f]
         os.unlink(results)
@@ -151,8 +190,11 @@ def main() -> None:
     times = ENGINES[engines[0]](args, path, dummy, prompts, max_tokens)
     total = sum(max_tokens)
     for i, t in enumerate(times, 1):
-        print(f"{engines[0]} run {i}: {total} output tokens in {t:.2f} s = {total / t:,.0f} tok/s "
-              f"({sum(map(len, prompts))} prompt tokens, {len(prompts)} requests)", flush=True)
+        print(
+            f"{engines[0]} run {i}: {total} output tokens in {t:.2f} s = {total / t:,.0f} tok/s "
+            f"({sum(map(len, prompts))} prompt tokens, {len(prompts)} requests)",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"engine": engines[0], "times": times, "tokens": total}) + "\n")

@@ -1,7 +1,7 @@
 """Generate completions with nanovllm.
 
-    python example.py                      # ~/huggingface/Qwen3-0.6B, or a small demo model
-    python example.py --model /path/to/Qwen3-0.6B
+python example.py                      # ~/huggingface/Qwen3-0.6B, or a small demo model
+python example.py --model /path/to/Qwen3-0.6B
 """
 
 import argparse
@@ -12,7 +12,9 @@ from nanovllm import LLM, SamplingParams
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="~/huggingface/Qwen3-0.6B", help="Hugging Face model folder")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")

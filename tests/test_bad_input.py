@@ -41,8 +41,16 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_missing_weights(tmp_path):
-    write_config(str(tmp_path), num_hidden_layers=1, vocab_size=128, hidden_size=32, intermediate_size=64,
-                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    write_config(
+        str(tmp_path),
+        num_hidden_layers=1,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     with pytest.raises(FileNotFoundError, match="safetensors"):
         LLM(str(tmp_path), device="cpu", max_model_len=64)
 

@@ -100,7 +100,9 @@ def test_eos_and_stop_tokens_end_generation(qwen3_dir, prompts, hf_reference):
     ref = hf_reference(qwen3_dir, prompts[4:5], 24)[0]
     stop = ref[5]
     first = ref.index(stop)
-    ours, _ = run(qwen3_dir, prompts[4:5], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop]))
+    ours, _ = run(
+        qwen3_dir, prompts[4:5], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop])
+    )
     assert ours == [ref[: first + 1]]
 
 

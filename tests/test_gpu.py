@@ -21,15 +21,28 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 def gpu_model_dir(tmp_path_factory) -> str:
     # head_dim 64 and GQA 4:1, as in real models, still small enough for an fp32 oracle
     return make_random_checkpoint(
-        str(tmp_path_factory.mktemp("qwen3_gpu")), hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+        str(tmp_path_factory.mktemp("qwen3_gpu")),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
     )
 
 
 def gpu_llm(model_dir: str, backend: str, eager: bool, **options) -> LLM:
     block = 256 if backend == "flash_attn" else options.pop("kvcache_block_size", 16)
-    return LLM(model_dir, device="cuda", dtype=options.pop("dtype", "float32"), attention_backend=backend,
-               enforce_eager=eager, kvcache_block_size=block, **{"max_model_len": 1024, "max_num_seqs": 20, **options})
+    return LLM(
+        model_dir,
+        device="cuda",
+        dtype=options.pop("dtype", "float32"),
+        attention_backend=backend,
+        enforce_eager=eager,
+        kvcache_block_size=block,
+        **{"max_model_len": 1024, "max_num_seqs": 20, **options},
+    )
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
@@ -51,8 +64,14 @@ def test_greedy_matches_hf(gpu_model_dir, prompts, hf_reference, backend, eager)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_chunked_prefill_and_preemption(gpu_model_dir, prompts, hf_reference, backend, eager):
     blocks = 3 if backend == "flash_attn" else 24
-    llm = gpu_llm(gpu_model_dir, backend, eager, max_num_batched_tokens=37, num_kvcache_blocks=blocks,
-                  max_model_len=256 if backend != "flash_attn" else 512)
+    llm = gpu_llm(
+        gpu_model_dir,
+        backend,
+        eager,
+        max_num_batched_tokens=37,
+        num_kvcache_blocks=blocks,
+        max_model_len=256 if backend != "flash_attn" else 512,
+    )
     try:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o["token_ids"] for o in outs] == hf_reference(gpu_model_dir, prompts, 32)
@@ -81,7 +100,9 @@ def test_long_context_decode_with_graphs(gpu_model_dir):
     prompt = list(range(3, 3 + 1500))
     llm = gpu_llm(gpu_model_dir, "triton", False, max_model_len=2048)
     try:
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        out = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )
     finally:
         llm.exit()
     from tests.conftest import hf_greedy

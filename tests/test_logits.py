@@ -34,7 +34,9 @@ def hf_logits(model_dir: str, prompt: list[int], dtype: torch.dtype, device: str
 
 
 def test_prefill_logits_match_hf_fp32(qwen3_dir, prompts):
-    llm = LLM(qwen3_dir, device="cpu", dtype="float32", max_model_len=256, kvcache_block_size=16, max_num_seqs=4)
+    llm = LLM(
+        qwen3_dir, device="cpu", dtype="float32", max_model_len=256, kvcache_block_size=16, max_num_seqs=4
+    )
     try:
         prompt = prompts[-1]
         ours, start = prefill_logits(llm, prompt)

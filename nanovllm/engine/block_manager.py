@@ -1,6 +1,5 @@
 """KV-cache blocks: allocation, reference counts and prefix caching. No torch here."""
 
-
 import xxhash
 
 from nanovllm.engine.sequence import Sequence
@@ -16,12 +15,13 @@ def block_hash(token_ids: list[int] | tuple[int, ...], prev_hash: int) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "prev_hash", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash = -1
+        self.prev_hash = -1  # with token_ids, verifies a hit on the whole prefix, not only the hash
         self.token_ids: tuple[int, ...] = ()
 
 
@@ -55,7 +55,7 @@ class BlockManager:
         if block.hash != -1:
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = -1, ()
+            block.hash, block.prev_hash, block.token_ids = -1, -1, ()
         block.ref_count = 1
         return block
 
@@ -67,11 +67,15 @@ class BlockManager:
         # a full-prompt hit would leave nothing to compute, so the last token is never a hit
         for i in range((len(seq) - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            prev = block_hash(tokens, prev)
-            block_id = self.hash_to_block.get(prev)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            h = block_hash(tokens, prev)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.prev_hash != prev:
                 break
             hits.append(block_id)
+            prev = h
         return hits
 
     def can_allocate(self, seq: Sequence) -> bool:
@@ -109,10 +113,10 @@ class BlockManager:
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the token about to be computed has a slot (a new block if needed)."""
-        return len(seq.block_table) >= self.num_blocks_needed(len(seq)) or self.num_free_blocks > 0
+        return len(seq.block_table) * self.block_size >= seq.num_tokens or bool(self.free_block_ids)
 
     def append_slot(self, seq: Sequence) -> None:
-        if len(seq.block_table) < self.num_blocks_needed(len(seq)):
+        if len(seq.block_table) * self.block_size < seq.num_tokens:
             seq.block_table.append(self._take_free_block().block_id)
 
     def commit_computed(self, seq: Sequence) -> None:
@@ -120,11 +124,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_hashed_blocks:
+            return
         prev = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else -1
         for i in range(seq.num_hashed_blocks, full):
             block = self.blocks[seq.block_table[i]]
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            prev = block_hash(tokens, prev)
-            block.hash, block.token_ids = prev, tokens
+            block.prev_hash, block.hash, block.token_ids = prev, block_hash(tokens, prev), tokens
+            prev = block.hash
             self.hash_to_block.setdefault(prev, block.block_id)
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+        seq.num_hashed_blocks = full

@@ -102,7 +102,7 @@ class Scheduler:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.commit_computed(seq)
-            if seq.num_computed_tokens < len(seq):
+            if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prompt chunk: no token is sampled yet
             seq.append_token(token_id)
             reason = self._finish_reason(seq, token_id)
@@ -119,6 +119,9 @@ class Scheduler:
             return "stop"
         if token_id in params.stop_token_ids:
             return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+        if (
+            seq.num_tokens - seq.num_prompt_tokens >= params.max_tokens
+            or seq.num_tokens >= self.max_model_len
+        ):
             return "length"
         return None

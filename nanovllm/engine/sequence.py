@@ -24,6 +24,7 @@ class Sequence:
         "status",
         "token_ids",
         "last_token",
+        "num_tokens",
         "num_prompt_tokens",
         "num_computed_tokens",
         "num_scheduled_tokens",
@@ -40,7 +41,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.last_token = self.token_ids[-1]
-        self.num_prompt_tokens = len(self.token_ids)
+        self.num_tokens = self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0
         self.num_cached_tokens = 0
@@ -50,7 +51,7 @@ class Sequence:
         self.finish_reason: str | None = None
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return self.num_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -58,7 +59,7 @@ class Sequence:
 
     @property
     def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def completion_token_ids(self) -> list[int]:
@@ -67,8 +68,9 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         """True while more than the last token still lacks KV (prompt chunks or recompute)."""
-        return self.num_computed_tokens < len(self.token_ids) - 1
+        return self.num_computed_tokens < self.num_tokens - 1
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.last_token = token_id
+        self.num_tokens += 1

@@ -1,0 +1,77 @@
+"""Where one decode step's time goes, at batch 256 on a Qwen3-0.6B-shaped model (CUDA).
+
+    PYTHONPATH=. python3 benchmarks/profile_decode_step.py [--batch 256] [--context 1024]
+
+Prints wall time per step split into engine parts (schedule, prepare + forward + sample,
+postprocess), the GPU-busy time per step from CUDA events, and the top CUDA kernels.
+"""
+
+import argparse
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.batch import StepBatch
+from nanovllm.utils.checkpoint import write_config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    path = tempfile.mkdtemp()
+    write_config(path)
+    llm = LLM(path, load_format="dummy", enforce_eager=args.enforce_eager, max_model_len=4096)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=10_000)
+    for i in range(args.batch):
+        llm.add_request([(i * 7 + j) % 10000 for j in range(args.context)], params)
+    sched, runner = llm.scheduler, llm.executor.runner
+    while True:  # prefill everything
+        seqs, is_prefill = sched.schedule()
+        if not is_prefill:
+            break
+        sched.postprocess(seqs, runner.run(StepBatch.from_sequences(seqs, True)))
+    # the last schedule() was a decode; run it, then time steps split by part
+    sched.postprocess(seqs, runner.run(StepBatch.from_sequences(seqs, False)))
+    torch.cuda.synchronize()
+    parts = {"schedule": 0.0, "batch": 0.0, "run": 0.0, "postprocess": 0.0}
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start_ev.record()
+    for _ in range(args.steps):
+        a = time.perf_counter()
+        seqs, is_prefill = sched.schedule()
+        b = time.perf_counter()
+        batch = StepBatch.from_sequences(seqs, is_prefill)
+        c = time.perf_counter()
+        tokens = runner.run(batch)
+        d = time.perf_counter()
+        sched.postprocess(seqs, tokens)
+        e = time.perf_counter()
+        for k, v in zip(parts, (b - a, c - b, d - c, e - d)):
+            parts[k] += v
+    end_ev.record()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / args.steps * 1e3
+    print(f"batch {len(seqs)}, context ~{args.context}: {wall:.3f} ms/step wall")
+    for k, v in parts.items():
+        print(f"  {k:12s} {v / args.steps * 1e3:.3f} ms")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            seqs, is_prefill = sched.schedule()
+            sched.postprocess(seqs, runner.run(StepBatch.from_sequences(seqs, is_prefill)))
+        torch.cuda.synchronize()
+    gpu_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 5
+    print(f"GPU busy per step: {gpu_us / 1e3:.3f} ms (so {wall - gpu_us / 1e3:.3f} ms/step not overlapped)")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+    llm.exit()
+
+
+if __name__ == "__main__":
+    main()
