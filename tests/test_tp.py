@@ -29,8 +29,8 @@ def test_tp2_matches_hf_and_cleans_up(qwen3_dir, prompts, hf_reference):
             from nanovllm import LLM, SamplingParams
             if __name__ == "__main__":
                 llm = LLM({qwen3_dir!r}, tensor_parallel_size=2, **{OPTIONS!r})
-                out = llm.generate([{prompts[3]!r}], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                                   use_tqdm=False)
+                params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+                out = llm.generate([{prompts[3]!r}], params, use_tqdm=False)
                 print(out[0]["token_ids"])
                 llm.exit()
         """)
