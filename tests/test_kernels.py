@@ -17,9 +17,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # TRITON_INTERPRET is read when @triton.jit runs, for triton's own library too, so it only
 # works if set before triton is first imported. If another test module imported triton first,
 # the checks here run in a fresh subprocess instead (test_kernels_in_fresh_interpreter).
-STALE_TRITON = (
-    DEVICE == "cpu" and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-)
+STALE_TRITON = DEVICE == "cpu" and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 dec = importlib.import_module("nanovllm.kernels.decode_attention")
@@ -172,9 +170,10 @@ def test_decode_ref_vs_naive(pad: str) -> None:
 
 def test_default_num_splits() -> None:
     assert dec.default_num_splits(256, 8, 160, 256, 132) == 1
+    assert dec.default_num_splits(16, 8, 160, 256, 132) == 5
     assert dec.default_num_splits(1, 8, 160, 256, 132) == 66
-    assert dec.default_num_splits(1, 8, 4, 256, 132) == 4  # at most one split per block
-    assert dec.default_num_splits(1, 8, 8, 16, 132) == 2  # at least one tile per split
+    assert dec.default_num_splits(1, 8, 2, 256, 132) == 8  # at least 64 tokens per split
+    assert dec.default_num_splits(1, 8, 8, 16, 132) == 2
 
 
 def test_bad_head_dim() -> None:
@@ -231,6 +230,4 @@ def test_decode_matches_prefill_q_len_1() -> None:
     args = prefill_inputs([0, 20, 47], [1, 1, 1], 16, 2, 64, torch.float32)
     q, k_cache, v_cache, _, ctx, tables = args
     out = pre.paged_prefill_attention(*args, 0.2, 1)
-    torch.testing.assert_close(
-        out, dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, 2)
-    )
+    torch.testing.assert_close(out, dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, 2))

@@ -7,11 +7,17 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-_BLOCK_N = 64  # KV tokens per inner-loop tile
 _MIN_ROWS = 16  # tl.dot needs M >= 16: the GQA group is padded up to this
+_SPLIT_ALIGN = 16  # split lengths are rounded up to this many tokens
+_MIN_SPLIT_TOKENS = 64  # default splits never cut a full block table finer than this
 _PROGRAMS_PER_SM = 4  # default split count aims at this many programs per SM
+_REDUCE_CHUNK = 16  # splits combined per reduce step (bounds its registers)
+# Tiles measured on H200 (bf16, head_dim 128, 4 warps). One split means a large batch: long
+# tiles (32 KiB of K per stage, at most 128 tokens) stream best. Several splits mean few
+# programs with short work each: 32-token tiles, 2 stages cut the latency of every step.
+_FINAL_TILE_BYTES, _FINAL_STAGES = 32 * 1024, 3
+_SPLIT_BLOCK_N, _SPLIT_STAGES = 32, 2
 _NUM_WARPS = 4
-_NUM_STAGES = 2
 
 
 def paged_decode_attention_ref(
@@ -71,6 +77,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
     FINAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -83,8 +90,8 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
-    # Splits are cut per sequence from its real length, in whole tiles; trailing ones may be empty.
-    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    # Splits are cut per sequence from its real length; trailing ones may be empty.
+    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
 
@@ -155,21 +162,30 @@ def _decode_reduce_kernel(
     stride_ob,
     stride_oh,
     BLOCK_S: tl.constexpr,
+    CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
     """Combine the per-split partial outputs of one (sequence, query head)."""
     head = tl.program_id(0)
     seq = tl.program_id(1)
+    row0 = (seq * num_heads + head) * num_splits
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < num_splits
-    row_ids = (seq * num_heads + head) * num_splits + offs_s
-    lse = tl.load(lse_ptr + row_ids, mask=s_mask, other=float("-inf"))
+    lse = tl.load(lse_ptr + row0 + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     # Split 0 always holds tokens (context_len >= 1), so the max is finite.
-    w = tl.exp2(lse - tl.max(lse, 0))
-    part = tl.load(part_ptr + row_ids[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None])
-    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    m = tl.max(lse, 0)
+    denom = tl.sum(tl.exp2(lse - m), 0)
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    # Partials go through in chunks: one [num_splits, HEAD_DIM] tile would spill registers.
+    for chunk in range(0, num_splits, CHUNK):
+        c_mask = chunk + offs_c < num_splits
+        rows = row0 + chunk + offs_c
+        w = tl.exp2(tl.load(lse_ptr + rows, mask=c_mask, other=float("-inf")) - m)
+        part = tl.load(part_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=c_mask[:, None])
+        acc += tl.sum(part * w[:, None], 0)
+    out = (acc / denom).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out)
 
 
 @functools.cache
@@ -183,10 +199,11 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_siz
     """Splits per (sequence, KV head) so the grid has ~_PROGRAMS_PER_SM programs per SM.
 
     Depends on static shapes only (CUDA-graph safe); capped so that a sequence filling the
-    whole block table still gives every split at least one tile and one block.
+    whole block table (``max_blocks * block_size`` tokens) still gives every split at least
+    _MIN_SPLIT_TOKENS tokens. Splits may end mid-block: tokens are gathered one by one.
     """
     wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, batch * num_kv_heads)
-    cap = min(max_blocks, triton.cdiv(max_blocks * block_size, _BLOCK_N))
+    cap = triton.cdiv(max_blocks * block_size, _MIN_SPLIT_TOKENS)
     return max(1, min(wanted, cap))
 
 
@@ -219,12 +236,17 @@ def paged_decode_attention(
         num_splits = default_num_splits(
             batch, num_kv_heads, block_tables.shape[1], block_size, _num_sms(q.device)
         )
+    elif num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty_like(q)
     if batch == 0:
         return out
     if num_splits == 1:
         part, lse = out, out  # lse is unused when the kernel writes the final output
+        block_n = min(128, _FINAL_TILE_BYTES // (head_dim * q.element_size()))
+        num_stages = _FINAL_STAGES
     else:
+        block_n, num_stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device)
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
@@ -248,11 +270,12 @@ def paged_decode_attention(
         BLOCK_G=max(_MIN_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=block_n,
+        SPLIT_ALIGN=_SPLIT_ALIGN,
         FINAL=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=_NUM_WARPS,
-        num_stages=_NUM_STAGES,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_heads, batch)](
@@ -264,6 +287,7 @@ def paged_decode_attention(
             out.stride(0),
             out.stride(1),
             BLOCK_S=triton.next_power_of_2(num_splits),
+            CHUNK=_REDUCE_CHUNK,
             HEAD_DIM=head_dim,
         )
     return out
