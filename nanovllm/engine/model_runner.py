@@ -108,7 +108,8 @@ class ModelRunner:
             is_prefill=True,
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
             context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=self.device),
+            # every table entry points at the dummy block, so paged kernels read only valid memory
+            block_tables=torch.zeros(len(lens), self.max_blocks_per_seq, dtype=torch.int32, device=self.device),
             cu_seqlens_q=cu,
             cu_seqlens_k=cu,
             max_seqlen_q=max(lens),
