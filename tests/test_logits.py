@@ -18,7 +18,7 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, int]:
         seq.num_scheduled_tokens = len(prompt) - start
         runner = llm.executor.runner
         with torch.inference_mode():
-            input_ids, positions, meta = runner.prepare(StepBatch.from_sequences([seq], True))
+            input_ids, positions, meta, _ = runner.prepare(StepBatch.from_sequences([seq], True))
             logits = runner.model.compute_logits(runner.model(input_ids, positions, meta))
         return logits.float().cpu(), start
     finally:

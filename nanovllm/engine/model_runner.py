@@ -13,6 +13,7 @@ from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.layers.parallel import TPGroup
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import MODEL_REGISTRY
+from nanovllm.utils.compile import compile_elementwise_ops
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,6 +74,9 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.sampler = Sampler()
+        if self.device.type == "cuda" and not config.enforce_eager:
+            compile_elementwise_ops(self.model)
+            compile_elementwise_ops(self.sampler)
         self.attn_layers = [m for m in self.model.modules() if m.__class__.__name__ == "Attention"]
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs = None
@@ -109,7 +113,9 @@ class ModelRunner:
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
             context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
             # every table entry points at the dummy block, so paged kernels read only valid memory
-            block_tables=torch.zeros(len(lens), self.max_blocks_per_seq, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(
+                len(lens), self.max_blocks_per_seq, dtype=torch.int32, device=self.device
+            ),
             cu_seqlens_q=cu,
             cu_seqlens_k=cu,
             max_seqlen_q=max(lens),
@@ -172,6 +178,19 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
+    def _upload(self, int64_parts: list[np.ndarray], int32_parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """Copy many small host arrays with two transfers; returns device views, in order."""
+        out = []
+        for parts, dtype in ((int64_parts, np.int64), (int32_parts, np.int32)):
+            flat = self._to_device(
+                np.concatenate([np.ravel(p) for p in parts]).astype(dtype, copy=False), None
+            )
+            offset = 0
+            for p in parts:
+                out.append(flat[offset : offset + p.size].view(p.shape))
+                offset += p.size
+        return out
+
     def _block_table_array(self, batch: StepBatch) -> np.ndarray:
         width = max(len(blocks) for blocks in batch.block_tables)
         table = np.zeros((len(batch.block_tables), width), dtype=np.int32)
@@ -179,7 +198,8 @@ class ModelRunner:
             table[i, : len(blocks)] = blocks
         return table
 
-    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Batch tensors, attention metadata and per-row temperatures, in one upload."""
         bs = self.block_size
         q_lens = np.fromiter((len(t) for t in batch.token_ids), dtype=np.int64, count=len(batch.token_ids))
         starts = np.asarray(batch.start_positions, dtype=np.int64)
@@ -189,24 +209,30 @@ class ModelRunner:
         cu_q = np.concatenate([[0], np.cumsum(q_lens)])
         positions = np.arange(int(cu_q[-1])) - np.repeat(cu_q[:-1], q_lens) + starts[seq_index]
         slots = table[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-        input_ids = [t for tokens in batch.token_ids for t in tokens]
+        input_ids = np.fromiter(
+            (t for tokens in batch.token_ids for t in tokens), dtype=np.int64, count=len(slots)
+        )
+        cu_k = np.concatenate([[0], np.cumsum(context_lens)])
+        # float32 temperatures travel bit-cast in the int32 transfer
+        temps = np.asarray(batch.temperatures, dtype=np.float32).view(np.int32)
+        ids_d, pos_d, slots_d, ctx_d, cu_q_d, cu_k_d, table_d, temps_d = self._upload(
+            [input_ids, positions, slots], [context_lens, cu_q, cu_k, table, temps]
+        )
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,
-            slot_mapping=self._to_device(slots, torch.int64),
-            context_lens=self._to_device(context_lens, torch.int32),
-            block_tables=self._to_device(table, torch.int32),
-            cu_seqlens_q=self._to_device(cu_q, torch.int32) if batch.is_prefill else None,
-            cu_seqlens_k=self._to_device(np.concatenate([[0], np.cumsum(context_lens)]), torch.int32)
-            if batch.is_prefill
-            else None,
+            slot_mapping=slots_d,
+            context_lens=ctx_d,
+            block_tables=table_d,
+            cu_seqlens_q=cu_q_d if batch.is_prefill else None,
+            cu_seqlens_k=cu_k_d if batch.is_prefill else None,
             max_seqlen_q=int(q_lens.max()),
             max_seqlen_k=int(context_lens.max()),
             has_prefix=bool(starts.any()),
         )
-        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta
+        return ids_d, pos_d, meta, temps_d.view(torch.float32)
 
-    def _sampling_tensors(self, batch: StepBatch) -> SamplingTensors:
-        st = SamplingTensors(self._to_device(batch.temperatures, torch.float32))
+    def _sampling_tensors(self, batch: StepBatch, temperatures: torch.Tensor) -> SamplingTensors:
+        st = SamplingTensors(temperatures)
         st.all_greedy = not any(batch.temperatures)
         if any(k > 0 for k in batch.top_ks):
             st.top_ks = self._to_device(batch.top_ks, torch.int64)
@@ -220,7 +246,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> list[int] | None:
-        input_ids, positions, meta = self.prepare(batch)
+        input_ids, positions, meta, temperatures = self.prepare(batch)
         if (
             not batch.is_prefill
             and self.graphs is not None
@@ -234,7 +260,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if self.tp.rank != 0:
             return None
-        return self.sampler(logits, self._sampling_tensors(batch)).tolist()
+        return self.sampler(logits, self._sampling_tensors(batch, temperatures)).tolist()
 
     def close(self) -> None:
         if self.graphs is not None:

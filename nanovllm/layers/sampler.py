@@ -20,27 +20,41 @@ class SamplingTensors:
     all_greedy: bool = False
 
 
+def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Greedy where the temperature is 0, else a draw from ``softmax(logits / T)``.
+
+    ``argmax(p / E)`` with ``E ~ Exp(1)`` draws from ``p`` (the exponential-race form of
+    Gumbel-max), so the draw needs no cumulative sums.
+    """
+    greedy = logits.argmax(dim=-1)
+    probs = (logits.float() / temperatures.clamp(min=1e-6).unsqueeze(1)).softmax(dim=-1)
+    return torch.where(temperatures == 0, greedy, (probs / noise).argmax(dim=-1))
+
+
 class Sampler(nn.Module):
+    compilable = ("sample_fn",)
+
+    def __init__(self):
+        super().__init__()
+        self.sample_fn = sample_tokens
+
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
         if st.all_greedy:
-            return greedy
-        logits = logits.float() / st.temperatures.clamp(min=1e-6).unsqueeze(1)
+            return logits.argmax(dim=-1)
         if st.top_ks is not None or st.top_ps is not None or st.min_ps is not None:
-            logits = self._filter(logits, st)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+            scaled = logits.float() / st.temperatures.clamp(min=1e-6).unsqueeze(1)
+            logits = logits.float().masked_fill(self._removed(scaled, st), float("-inf"))
+        noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
         if st.seeds is not None:
             for row, (seed, step) in enumerate(zip(st.seeds, st.steps)):
                 if seed is not None:
-                    gen = torch.Generator(probs.device).manual_seed((seed * 1_000_003 + step) % 2**63)
+                    gen = torch.Generator(logits.device).manual_seed((seed * 1_000_003 + step) % 2**63)
                     noise[row].exponential_(generator=gen)
-        # argmax(p / E) with E ~ Exp(1) draws from p (the exponential-race form of Gumbel-max)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(st.temperatures == 0, greedy, sampled)
+        return self.sample_fn(logits, st.temperatures, noise)
 
     @staticmethod
-    def _filter(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    def _removed(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """Mask of the tokens top-k / top-p / min-p filter out (never the most likely one)."""
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
         if st.top_ks is not None:
@@ -54,5 +68,4 @@ class Sampler(nn.Module):
         if st.min_ps is not None:
             remove |= probs < st.min_ps.unsqueeze(1) * probs[:, :1]
         remove[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        return torch.empty_like(remove).scatter_(1, order, remove)
