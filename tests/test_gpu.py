@@ -97,7 +97,7 @@ def test_bf16_logits_close_to_hf(gpu_model_dir, prompts, backend):
 
 
 def test_long_context_decode_with_graphs(gpu_model_dir):
-    prompt = list(range(3, 3 + 1500))
+    prompt = [3 + i % 500 for i in range(1500)]
     llm = gpu_llm(gpu_model_dir, "triton", False, max_model_len=2048)
     try:
         out = llm.generate(

@@ -29,6 +29,7 @@ class AttentionBackend:
     """Stores new K/V in the paged cache and computes attention for prefill and decode."""
 
     name: str = ""
+    supports_cuda_graphs: bool = True
 
     def store(
         self,

@@ -10,6 +10,7 @@ from nanovllm.kernels.store_kvcache import store_kvcache_ref
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    supports_cuda_graphs = False  # the reference loops over sequences on the host
 
     def store(self, k, v, k_cache, v_cache, slot_mapping):
         store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)

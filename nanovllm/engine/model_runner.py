@@ -80,7 +80,7 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if m.__class__.__name__ == "Attention"]
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(self, config.max_num_seqs, self.max_blocks_per_seq)
 
     @property
@@ -103,7 +103,8 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = dummy[0], dummy[1]
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        max_len, budget = self.config.max_model_len, self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
+        max_len = min(self.config.max_model_len, max(budget // 2, 1))  # >= 2 rows: see the sampler below
         lens = [max_len] * (budget // max_len) + ([budget % max_len] if budget % max_len else [])
         lens = lens[: self.config.max_num_seqs]
         n = sum(lens)
@@ -124,7 +125,10 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(length, device=self.device) for length in lens])
         hidden = self.model(ids, positions, meta)
-        self.model.compute_logits(hidden[cu[1:].long() - 1])
+        logits = self.model.compute_logits(hidden[cu[1:].long() - 1])
+        if logits is not None:  # compile the sampler now (one row and many), not at a first request
+            for rows in (logits[:1], logits):
+                self.sampler(rows, SamplingTensors(torch.ones(rows.shape[0], device=self.device)))
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated(self.device)
 
