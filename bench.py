@@ -170,8 +170,15 @@ def main() -> None:
     if len(engines) > 1:  # one process per engine: they must not share a GPU context
         fd, results = tempfile.mkstemp(suffix=".jsonl")
         os.close(fd)
-        argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--engine" and sys.argv[i] != "--engine"]
-        argv = [a for a in argv if not a.startswith("--engine=")]
+        # the children get every option but --engine and --json, which are set per child
+        argv, skip = [], False
+        for a in sys.argv[1:]:
+            if skip or a.startswith(("--engine=", "--json=")):
+                skip = False
+                continue
+            skip = a in ("--engine", "--json")
+            if not skip:
+                argv.append(a)
         for engine in engines:
             subprocess.run(
                 [sys.executable, __file__, "--engine", engine, "--json", results, *argv], check=False
