@@ -36,9 +36,9 @@ def main() -> None:
         seqs, is_prefill = sched.schedule()
         if not is_prefill:
             break
-        sched.postprocess(seqs, runner.run(StepBatch.from_sequences(seqs, True)))
+        sched.postprocess(seqs, runner.run(StepBatch.from_sequences(seqs, True)), True)
     # the last schedule() was a decode; run it, then time steps split by part
-    sched.postprocess(seqs, runner.run(StepBatch.from_sequences(seqs, False)))
+    sched.postprocess(seqs, runner.run(StepBatch.from_sequences(seqs, False)), False)
     torch.cuda.synchronize()
     parts = {"schedule": 0.0, "batch": 0.0, "run": 0.0, "postprocess": 0.0}
     start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -52,7 +52,7 @@ def main() -> None:
         c = time.perf_counter()
         tokens = runner.run(batch)
         d = time.perf_counter()
-        sched.postprocess(seqs, tokens)
+        sched.postprocess(seqs, tokens, is_prefill)
         e = time.perf_counter()
         for k, v in zip(parts, (b - a, c - b, d - c, e - d)):
             parts[k] += v
@@ -65,7 +65,7 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             seqs, is_prefill = sched.schedule()
-            sched.postprocess(seqs, runner.run(StepBatch.from_sequences(seqs, is_prefill)))
+            sched.postprocess(seqs, runner.run(StepBatch.from_sequences(seqs, is_prefill)), is_prefill)
         torch.cuda.synchronize()
     gpu_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 5
     print(f"GPU busy per step: {gpu_us / 1e3:.3f} ms (so {wall - gpu_us / 1e3:.3f} ms/step not overlapped)")

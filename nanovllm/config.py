@@ -30,6 +30,8 @@ class Config:
     device: str = "auto"
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    async_scheduling: bool = False
+    """Plan each decode step while the previous one runs on the device (one process only)."""
     load_format: str = "auto"
     """"auto" loads ``*.safetensors``; "dummy" fills weights with random values."""
     seed: int = 0

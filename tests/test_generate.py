@@ -112,3 +112,40 @@ def test_seeded_sampling_is_reproducible(qwen3_dir, prompts):
     other = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
     batch, _ = run(qwen3_dir, [prompts[1], prompts[3]], [other, params], kvcache_block_size=16)
     assert batch[1] == alone[0]
+
+
+def test_async_scheduling_matches_hf(qwen3_dir, prompts, hf_reference):
+    # tight blocks force fallbacks to the synchronous path (preemption) between planned steps
+    llm = LLM(
+        qwen3_dir,
+        **{**BASE, "max_model_len": 128},
+        kvcache_block_size=16,
+        num_kvcache_blocks=12,
+        async_scheduling=True,
+    )
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o["token_ids"] for o in outs] == hf_reference(qwen3_dir, prompts, 24)
+        assert llm.scheduler.block_manager.num_free_blocks == 12
+    finally:
+        llm.exit()
+
+
+def test_async_scheduling_with_stops_and_seeds(qwen3_dir, prompts, hf_reference):
+    """EOS-like stops end sequences while a planned step is in flight; seeded draws must not
+    depend on whether a step was planned ahead."""
+    ref = hf_reference(qwen3_dir, prompts, 24)
+    stop_params = [SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[r[7]]) for r in ref]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(qwen3_dir, **BASE, kvcache_block_size=16, async_scheduling=async_scheduling)
+        try:
+            stops = llm.generate(prompts, stop_params, use_tqdm=False)
+            samples = llm.generate(prompts, seeded, use_tqdm=False)
+            assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+        finally:
+            llm.exit()
+        assert [o["token_ids"] for o in stops] == [r[: r.index(r[7]) + 1] for r in ref]
+        results.append([o["token_ids"] for o in samples])
+    assert results[0] == results[1]

@@ -118,7 +118,7 @@ class Harness:
         tokens = [self.compute(s) for s in seqs]
         if tokens_for is not None:
             tokens = [tokens_for(s) if t != DUMMY else t for s, t in zip(seqs, tokens)]
-        finished = self.sched.postprocess(seqs, tokens)
+        finished = self.sched.postprocess(seqs, tokens, is_prefill)
         self.finished.extend(finished)
         for s in seqs:
             assert s.num_scheduled_tokens == 0
@@ -277,7 +277,7 @@ def test_step_batch_covers_exactly_the_chunk():
         assert sb.start_positions == [start]
         assert sb.token_ids == [prompt[start : start + s.num_scheduled_tokens]]
         seen.extend(sb.token_ids[0])
-        h.sched.postprocess(batch, [DUMMY if start + s.num_scheduled_tokens < 14 else 5])
+        h.sched.postprocess(batch, [DUMMY if start + s.num_scheduled_tokens < 14 else 5], is_prefill)
     assert seen == prompt  # every prompt token computed once, in order, keys end at the chunk
 
 
@@ -294,7 +294,7 @@ def test_chunk_ending_just_before_the_last_prompt_token():
     assert sb.start_positions == [16]
     assert sb.token_ids == [[17]]
     h.compute(s)
-    h.sched.postprocess(batch, [model(s.token_ids)])
+    h.sched.postprocess(batch, [model(s.token_ids)], is_prefill)
     assert len(s.completion_token_ids) == 1
     h.run()
     h.check_done()
@@ -328,7 +328,7 @@ def test_decode_positions_are_zero_based_and_blocks_grow_at_boundaries():
         assert sb.token_ids == [[s.token_ids[-1]]]
         assert len(s.block_table) == cdiv(length, 4)
         h.compute(s)
-        h.sched.postprocess(batch, [model(s.token_ids)])
+        h.sched.postprocess(batch, [model(s.token_ids)], is_prefill)
     h.run()
     h.check_done()
 

@@ -11,7 +11,9 @@ class StepBatch:
 
     Sequence ``i`` computes ``token_ids[i]`` at positions ``start_positions[i]`` onward,
     with its KV blocks in ``block_tables[i]``; the last computed token of every sequence
-    yields logits and a sampled token.
+    yields logits and a sampled token. With ``tokens_from_previous`` (a decode step planned
+    while the previous one runs) each ``token_ids[i]`` is ``[row]``: the input is the token
+    that the previous step sampled for that row.
     """
 
     is_prefill: bool
@@ -24,6 +26,7 @@ class StepBatch:
     min_ps: list[float]
     seeds: list[int | None]
     steps: list[int]
+    tokens_from_previous: bool = False
 
     @classmethod
     def from_sequences(cls, seqs: list[Sequence], is_prefill: bool) -> "StepBatch":
@@ -47,3 +50,14 @@ class StepBatch:
             seeds=[p.seed for p in params],
             steps=[seq.num_completion_tokens for seq in seqs],
         )
+
+    @classmethod
+    def ahead_of(cls, seqs: list[Sequence], in_flight: list[Sequence]) -> "StepBatch":
+        """The decode step after ``in_flight``, whose sampled tokens are not known yet."""
+        batch = cls.from_sequences(seqs, is_prefill=False)
+        rows = {seq.seq_id: i for i, seq in enumerate(in_flight)}
+        batch.token_ids = [[rows[seq.seq_id]] for seq in seqs]
+        batch.start_positions = [seq.num_tokens for seq in seqs]
+        batch.steps = [step + 1 for step in batch.steps]
+        batch.tokens_from_previous = True
+        return batch

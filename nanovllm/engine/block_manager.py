@@ -111,12 +111,17 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
 
+    def has_slot(self, seq: Sequence, lookahead: int = 0) -> bool:
+        """Whether ``seq``'s blocks already hold ``num_tokens + lookahead`` tokens."""
+        return len(seq.block_table) * self.block_size >= seq.num_tokens + lookahead
+
     def can_append(self, seq: Sequence) -> bool:
         """Whether the token about to be computed has a slot (a new block if needed)."""
-        return len(seq.block_table) * self.block_size >= seq.num_tokens or bool(self.free_block_ids)
+        return self.has_slot(seq) or bool(self.free_block_ids)
 
-    def append_slot(self, seq: Sequence) -> None:
-        if len(seq.block_table) * self.block_size < seq.num_tokens:
+    def append_slot(self, seq: Sequence, lookahead: int = 0) -> None:
+        """Make room for ``num_tokens + lookahead`` tokens (at most one new block)."""
+        if not self.has_slot(seq, lookahead):
             seq.block_table.append(self._take_free_block().block_id)
 
     def commit_computed(self, seq: Sequence) -> None:

@@ -3,19 +3,29 @@
 import atexit
 import os
 import time
-from dataclasses import fields
+from collections import deque
+from dataclasses import dataclass, fields
 
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.batch import StepBatch
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.model_runner import SampledTokens
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_executor import TPExecutor
 from nanovllm.sampling_params import SamplingParams
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    seqs: list[Sequence]
+    is_prefill: bool
+    num_tokens: int
+    tokens: SampledTokens
 
 
 class LLMEngine:
@@ -41,6 +51,9 @@ class LLMEngine:
         atexit.register(self.exit)
         self.num_kvcache_blocks = self.executor.runner.num_kvcache_blocks
         self.vocab_size = config.hf_config.vocab_size
+        self.in_flight: deque[InFlightStep] = deque()
+        # planning a step while the previous one runs needs that step's tokens on this rank
+        self.plan_ahead = config.async_scheduling and config.tensor_parallel_size == 1
         self.scheduler = Scheduler(
             BlockManager(self.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching),
             config.max_num_seqs,
@@ -85,20 +98,37 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def _launch(self, seqs: list[Sequence], is_prefill: bool, batch: StepBatch) -> None:
+        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
+        tokens = self.executor.call("launch", batch)
+        self.in_flight.append(InFlightStep(seqs, is_prefill, num_tokens, tokens))
+
     def step(self) -> tuple[list[Sequence], int]:
         """Run one step; returns the finished sequences and the tokens it processed
-        (positive: prefill tokens, negative: decode sequences)."""
+        (positive: prefill tokens, negative: decode sequences).
+
+        With ``async_scheduling``, a decode step is followed at once by the next one, planned
+        before the first one's tokens are back, so host work overlaps device work.
+        """
         if self.executor is None:
             raise RuntimeError("this engine has been shut down")
-        seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
-        token_ids = self.executor.call("run", StepBatch.from_sequences(seqs, is_prefill))
-        return self.scheduler.postprocess(seqs, token_ids), num_tokens
+        if not self.in_flight:
+            seqs, is_prefill = self.scheduler.schedule()
+            self._launch(seqs, is_prefill, StepBatch.from_sequences(seqs, is_prefill))
+        last = self.in_flight[-1]
+        if self.plan_ahead and len(self.in_flight) == 1 and not last.is_prefill:
+            seqs = self.scheduler.schedule_ahead(last.seqs)
+            if seqs:
+                self._launch(seqs, False, StepBatch.ahead_of(seqs, last.seqs))
+        step = self.in_flight.popleft()
+        finished = self.scheduler.postprocess(step.seqs, step.tokens.tolist(), step.is_prefill)
+        return finished, step.num_tokens
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and not self.in_flight
 
     def _abort_all(self) -> None:
+        self.in_flight.clear()
         for queue in (self.scheduler.running, self.scheduler.waiting):
             while queue:
                 self.scheduler.block_manager.free(queue.pop())

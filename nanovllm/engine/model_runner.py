@@ -38,6 +38,25 @@ def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
     return dtype
 
 
+class SampledTokens:
+    """A step's sampled token ids, copied to the host without blocking the launch."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.event = None
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tokens
+
+    def tolist(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 class ModelRunner:
     """One per TP rank. Rank 0 returns sampled token ids; other ranks return None."""
 
@@ -80,6 +99,7 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if m.__class__.__name__ == "Attention"]
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs = None
+        self.last_sampled: torch.Tensor | None = None
         if self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(self, config.max_num_seqs, self.max_blocks_per_seq)
 
@@ -249,8 +269,11 @@ class ModelRunner:
         return st
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> list[int] | None:
+    def launch(self, batch: StepBatch) -> "SampledTokens | None":
+        """Enqueue one step on the device; rank 0 gets a handle on the sampled tokens."""
         input_ids, positions, meta, temperatures = self.prepare(batch)
+        if batch.tokens_from_previous:
+            input_ids = self.last_sampled[input_ids]
         if (
             not batch.is_prefill
             and self.graphs is not None
@@ -264,7 +287,13 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if self.tp.rank != 0:
             return None
-        return self.sampler(logits, self._sampling_tensors(batch, temperatures)).tolist()
+        self.last_sampled = self.sampler(logits, self._sampling_tensors(batch, temperatures))
+        return SampledTokens(self.last_sampled)
+
+    def run(self, batch: StepBatch) -> list[int] | None:
+        """One step, waiting for its tokens (rank 0) — what TP workers and tools call."""
+        handle = self.launch(batch)
+        return handle.tolist() if handle is not None else None
 
     def close(self) -> None:
         if self.graphs is not None:

@@ -88,6 +88,33 @@ class Scheduler:
         self.running.extend(scheduled)
         return scheduled
 
+    def schedule_ahead(self, in_flight: list[Sequence]) -> list[Sequence] | None:
+        """Plan the decode step after ``in_flight`` (a decode step) before its tokens are known.
+
+        Every running sequence that might not finish on the token in flight gets a slot for
+        the token after it; its input comes from the in-flight step's output (row index in
+        ``in_flight``). Returns None when the next step needs the scheduler's full decision:
+        prompts are waiting, a block is short, or nothing would continue.
+        """
+        if self.waiting:
+            return None
+        rows = {seq.seq_id: i for i, seq in enumerate(in_flight)}
+        seqs = [seq for seq in self.running if not self._finishes_on_next_token(seq)]
+        if not seqs or any(seq.seq_id not in rows or seq.is_prefilling for seq in seqs):
+            return None
+        bm = self.block_manager
+        if sum(not bm.has_slot(seq, lookahead=1) for seq in seqs) > bm.num_free_blocks:
+            return None
+        for seq in seqs:
+            bm.append_slot(seq, lookahead=1)
+        return seqs
+
+    def _finishes_on_next_token(self, seq: Sequence) -> bool:
+        """True when the token in flight surely ends ``seq`` (by length, not by content)."""
+        return (
+            seq.num_completion_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+        )
+
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks; it is recomputed (hitting its own cached blocks) later."""
         self.num_preemptions += 1
@@ -95,11 +122,14 @@ class Scheduler:
         self.block_manager.free(seq)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
         """Record computed KV, append sampled tokens, finish sequences; returns the finished."""
         finished = []
         for seq, token_id in zip(seqs, token_ids):
-            seq.num_computed_tokens += seq.num_scheduled_tokens
+            if seq.status == SequenceStatus.FINISHED:
+                continue  # it ended on the previous step's token; this one was planned ahead
+            # a decode step computes one token, also when planned ahead of the step before it
+            seq.num_computed_tokens += seq.num_scheduled_tokens if is_prefill else 1
             seq.num_scheduled_tokens = 0
             self.block_manager.commit_computed(seq)
             if seq.num_computed_tokens < seq.num_tokens:
