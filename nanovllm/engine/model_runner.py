@@ -10,32 +10,13 @@ from nanovllm.attention import AttentionMetadata, get_attention_backend
 from nanovllm.config import Config
 from nanovllm.engine.batch import StepBatch
 from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.layers.attention import Attention
 from nanovllm.layers.parallel import TPGroup
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import MODEL_REGISTRY
 from nanovllm.utils.compile import compile_elementwise_ops
+from nanovllm.utils.device import resolve_device, resolve_dtype
 from nanovllm.utils.loader import init_dummy_weights, load_model
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(config: Config, rank: int) -> torch.device:
-    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available")
-    return torch.device("cuda", rank)
-
-
-def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
-    if config.dtype != "auto":
-        return DTYPES[config.dtype]
-    dtype = getattr(config.hf_config, "dtype", None) or getattr(config.hf_config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        dtype = DTYPES.get(dtype)
-    if dtype not in DTYPES.values():
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return dtype
 
 
 class SampledTokens:
@@ -96,7 +77,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             compile_elementwise_ops(self.model)
             compile_elementwise_ops(self.sampler)
-        self.attn_layers = [m for m in self.model.modules() if m.__class__.__name__ == "Attention"]
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs = None
         self.last_sampled: torch.Tensor | None = None
