@@ -94,27 +94,14 @@ class ModelRunner:
         per_token = 2 * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
         return len(self.attn_layers) * self.block_size * per_token
 
-    def _profile_peak_bytes(self) -> int:
-        """Peak memory of a prefill at the full token budget, run against a one-block cache."""
-        layer = self.attn_layers[0]
-        dummy = torch.zeros(
-            2, 1, self.block_size, layer.num_kv_heads, layer.head_dim, dtype=self.dtype, device=self.device
-        )
-        for attn in self.attn_layers:
-            attn.k_cache, attn.v_cache = dummy[0], dummy[1]
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        budget = self.config.max_num_batched_tokens
-        max_len = min(self.config.max_model_len, max(budget // 2, 1))  # >= 2 rows: see the sampler below
-        lens = [max_len] * (budget // max_len) + ([budget % max_len] if budget % max_len else [])
-        lens = lens[: self.config.max_num_seqs]
+    def _dummy_prefill(self, lens: list[int], has_prefix: bool) -> torch.Tensor | None:
+        """A prefill of zeros against whatever cache is set; every table entry is block 0."""
         n = sum(lens)
         cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32, device=self.device)
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
             context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            # every table entry points at the dummy block, so paged kernels read only valid memory
             block_tables=torch.zeros(
                 len(lens), self.max_blocks_per_seq, dtype=torch.int32, device=self.device
             ),
@@ -122,13 +109,35 @@ class ModelRunner:
             cu_seqlens_k=cu,
             max_seqlen_q=max(lens),
             max_seqlen_k=max(lens),
+            has_prefix=has_prefix,
         )
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(length, device=self.device) for length in lens])
         hidden = self.model(ids, positions, meta)
-        logits = self.model.compute_logits(hidden[cu[1:].long() - 1])
-        if logits is not None:  # compile the sampler now (one row and many), not at a first request
-            for rows in (logits[:1], logits):
+        return self.model.compute_logits(hidden[cu[1:].long() - 1])
+
+    def _profile_peak_bytes(self) -> int:
+        """Peak memory of a prefill at the full token budget, run against a one-block cache.
+
+        It also compiles, before the first request, what that request would otherwise wait
+        for: the prefill kernels (with and without a cached prefix) and the sampler.
+        """
+        layer = self.attn_layers[0]
+        dummy = torch.zeros(
+            2, 1, self.block_size, layer.num_kv_heads, layer.head_dim, dtype=self.dtype, device=self.device
+        )
+        for attn in self.attn_layers:
+            attn.k_cache, attn.v_cache = dummy[0], dummy[1]
+        self._dummy_prefill([16, 16], has_prefix=True)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        budget = self.config.max_num_batched_tokens
+        max_len = min(self.config.max_model_len, max(budget // 2, 1))  # >= 2 rows for the sampler
+        lens = [max_len] * (budget // max_len) + ([budget % max_len] if budget % max_len else [])
+        logits = self._dummy_prefill(lens[: self.config.max_num_seqs], has_prefix=False)
+        if logits is not None:
+            for rows in (logits[:1], logits):  # one row and many: both shapes get compiled
                 self.sampler(rows, SamplingTensors(torch.ones(rows.shape[0], device=self.device)))
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated(self.device)
