@@ -50,7 +50,8 @@ def paged_decode_attention_ref(
     return out
 
 
-@triton.jit
+# sizes that vary step to step are not specialised on, so they trigger no recompilation
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -152,7 +153,7 @@ def _decode_split_kernel(
         tl.store(lse_ptr + row_offs // HEAD_DIM, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_ptr,
     lse_ptr,

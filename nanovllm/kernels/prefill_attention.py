@@ -51,7 +51,8 @@ def paged_prefill_attention_ref(
     return out
 
 
-@triton.jit
+# the block-table width changes with every batch: do not specialise (recompile) on it
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
