@@ -59,3 +59,20 @@ def test_dead_worker_raises_instead_of_hanging(qwen3_dir, prompts):
         assert llm.is_finished()  # nothing left half-scheduled
     finally:
         llm.exit()
+
+
+def test_second_tp_engine_in_one_process_is_refused_clearly(qwen3_dir, prompts, hf_reference):
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **OPTIONS)
+    try:
+        with pytest.raises(ValueError, match="separate process"):
+            LLM(qwen3_dir, tensor_parallel_size=2, **OPTIONS)
+        # a single-process engine beside it is fine, and both keep working
+        solo = LLM(qwen3_dir, **OPTIONS)
+        try:
+            expected = hf_reference(qwen3_dir, prompts[:3], 16)
+            assert [o["token_ids"] for o in solo.generate(prompts[:3], GREEDY, use_tqdm=False)] == expected
+            assert [o["token_ids"] for o in llm.generate(prompts[:3], GREEDY, use_tqdm=False)] == expected
+        finally:
+            solo.exit()
+    finally:
+        llm.exit()
