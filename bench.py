@@ -161,6 +161,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument(
+        "--async-scheduling", action="store_true", help="nanovllm: overlap host and device work"
+    )
     parser.add_argument("--json", help="append each engine's result as a JSON line to this file")
     args = parser.parse_args()
 
