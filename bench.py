@@ -52,6 +52,7 @@ def run_nanovllm(args, path, dummy, prompts, max_tokens) -> list[float]:
         max_model_len=4096,
         tensor_parallel_size=args.tp,
         attention_backend=args.attention_backend,
+        async_scheduling=args.async_scheduling,
     )
     print(f"nanovllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
