@@ -82,6 +82,13 @@ ORDER = [2, 0, 3, 1]  # token ORDER[i] has the i-th largest probability
 LOGITS4, P4 = logits_from_probs([0.5, 0.3, 0.15, 0.05], ORDER)
 
 
+def assert_draws_from_ranks(counts: torch.Tensor, keep_ranks: list[int]) -> None:
+    """Only the tokens of these probability ranks were drawn, in their renormalised shares."""
+    keep = [ORDER[r] for r in keep_ranks]
+    assert set(torch.nonzero(counts).flatten().tolist()) == set(keep)
+    assert_matches(counts, renorm(P4, keep))
+
+
 # ----------------------------------------------------------------------------- greedy
 
 
@@ -212,9 +219,7 @@ def test_top_k_per_row():
 def test_top_p_keeps_the_smallest_set_reaching_p(top_p, keep_ranks):
     torch.manual_seed(11)
     counts = draw(LOGITS4, 20_000, top_p=top_p)
-    keep = [ORDER[r] for r in keep_ranks]
-    assert set(torch.nonzero(counts).flatten().tolist()) == set(keep)
-    assert_matches(counts, renorm(P4, keep))
+    assert_draws_from_ranks(counts, keep_ranks)
 
 
 def test_top_p_is_applied_after_temperature():
@@ -251,9 +256,7 @@ def test_top_p_applies_to_top_k_survivors():
 def test_min_p_keeps_tokens_above_a_fraction_of_the_top(min_p, keep_ranks):
     torch.manual_seed(14)
     counts = draw(LOGITS4, 20_000, min_p=min_p)
-    keep = [ORDER[r] for r in keep_ranks]
-    assert set(torch.nonzero(counts).flatten().tolist()) == set(keep)
-    assert_matches(counts, renorm(P4, keep))
+    assert_draws_from_ranks(counts, keep_ranks)
 
 
 def test_filters_never_pick_masked_tokens():

@@ -1,0 +1,51 @@
+"""Helpers for the BlockManager tests: sequences, fake KV computation, invariants."""
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_seq(tokens) -> Sequence:
+    return Sequence(list(tokens), SamplingParams(max_tokens=8))
+
+
+def computed_seq(bm: BlockManager, tokens) -> Sequence:
+    """A sequence allocated in ``bm`` with KV computed for all its tokens."""
+    seq = make_seq(tokens)
+    bm.allocate(seq)
+    compute(bm, seq)
+    return seq
+
+
+def compute(bm: BlockManager, seq: Sequence, upto: int | None = None) -> None:
+    """Pretend the model computed KV for the first ``upto`` tokens (default: all)."""
+    seq.num_computed_tokens = len(seq) if upto is None else upto
+    bm.commit_computed(seq)
+
+
+def holders(bm: BlockManager, seqs) -> dict[int, int]:
+    count: dict[int, int] = {}
+    for s in seqs:
+        for b in s.block_table:
+            count[b] = count.get(b, 0) + 1
+    return count
+
+
+def check_invariants(bm: BlockManager, live_seqs) -> None:
+    """Reference counts equal holders; the free list is exactly the unheld blocks;
+    the hash map only points at blocks carrying that hash and full token contents."""
+    held = holders(bm, live_seqs)
+    for block in bm.blocks:
+        assert block.ref_count == held.get(block.block_id, 0), block.block_id
+        assert (block.block_id in bm.free_block_ids) == (block.ref_count == 0)
+    for s in live_seqs:
+        assert len(set(s.block_table)) == len(s.block_table), "a sequence holds one block twice"
+    for h, b in bm.hash_to_block.items():
+        assert bm.blocks[b].hash == h
+        assert len(bm.blocks[b].token_ids) == bm.block_size
+    for b, n in held.items():
+        if n > 1:  # sharing is only allowed for full, hashed blocks
+            assert bm.blocks[b].hash != -1
+            assert len(bm.blocks[b].token_ids) == bm.block_size

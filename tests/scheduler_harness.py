@@ -1,0 +1,210 @@
+"""A scheduler test harness: a real BlockManager driven by a fake model. Pure Python.
+
+The fake model's next token is a fixed function of the whole context, so the expected
+completion of every request is known without the scheduler; a fake KV cache records, for
+every slot, a fingerprint of the context its KV was computed from, and every step checks
+that a sequence only ever reads KV of its own prefix (prefix hits, preemption and chunking
+included) and only writes into blocks nobody else holds.
+"""
+
+import contextlib
+import signal
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.sampling_params import SamplingParams
+
+VOCAB = 1000
+DUMMY = -12345  # what the "model" returns for a prompt chunk; must never be appended
+
+
+def fingerprints(tokens: list[int]) -> list[int]:
+    """fingerprints(t)[p] identifies the context t[:p+1] (what position p's KV depends on)."""
+    out, h = [], 0
+    for t in tokens:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+def model(tokens: list[int]) -> int:
+    """The fake model: next token as a fixed function of the full context."""
+    h = 7
+    for t in tokens:
+        h = (h * 1_000_003 + t + 1) % (2**61 - 1)
+    return h % VOCAB
+
+
+def expected_completion(prompt: list[int], max_tokens: int, max_model_len: int, stop=()) -> list[int]:
+    tokens, out = list(prompt), []
+    while True:
+        t = model(tokens)
+        tokens.append(t)
+        out.append(t)
+        if t in stop or len(out) >= max_tokens or len(tokens) >= max_model_len:
+            return out
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fail instead of hanging when the code under test spins."""
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: the scheduler spins")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Harness:
+    """A Scheduler + BlockManager pair with a fake model and fake, checked KV cache."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 1024,
+        max_model_len: int = 1024,
+        eos: tuple[int, ...] = (),
+        prefix_caching: bool = True,
+    ) -> None:
+        self.bs = block_size
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
+        self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, max_model_len, list(eos))
+        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.seqs: list[Sequence] = []
+        self.finished: list[Sequence] = []
+        self.num_steps = 0
+        self.prefix_hit_tokens = 0
+        self.preempted_ids: set[int] = set()
+        self.readmitted_with_hit = 0
+
+    def add(self, tokens, **params) -> Sequence:
+        seq = Sequence(list(tokens), SamplingParams(**params))
+        self.sched.add(seq)
+        self.seqs.append(seq)
+        return seq
+
+    def step(self, tokens_for=None) -> tuple[list[Sequence], bool, list[Sequence]]:
+        """One engine step; ``tokens_for(seq)`` overrides the fake model's token."""
+        waiting_before = {s.seq_id for s in self.sched.waiting}
+        running_before = {s.seq_id for s in self.sched.running}
+        seqs, is_prefill = self.sched.schedule()
+        self.num_steps += 1
+        for s in self.seqs:
+            if s.seq_id in running_before and s.status == SequenceStatus.WAITING:
+                self.preempted_ids.add(s.seq_id)
+        for s in seqs:
+            if s.seq_id in waiting_before:
+                self.prefix_hit_tokens += s.num_cached_tokens
+                if s.seq_id in self.preempted_ids and s.num_cached_tokens:
+                    self.readmitted_with_hit += 1
+        self.check(seqs, is_prefill)
+        tokens = [self.compute(s) for s in seqs]
+        if tokens_for is not None:
+            tokens = [tokens_for(s) if t != DUMMY else t for s, t in zip(seqs, tokens)]
+        finished = self.sched.postprocess(seqs, tokens, is_prefill)
+        self.finished.extend(finished)
+        for s in seqs:
+            assert s.num_scheduled_tokens == 0
+        self.check_blocks()
+        return seqs, is_prefill, finished
+
+    def run(self, max_steps: int = 20_000) -> None:
+        with deadline(30):
+            while not self.sched.is_finished():
+                assert self.num_steps < max_steps, "the scheduler does not terminate"
+                self.step()
+
+    # ---------------------------------------------------------------- fake execution
+
+    def compute(self, seq: Sequence) -> int:
+        start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+        fps = fingerprints(seq.token_ids)
+        for p in range(start):  # attention reads every earlier position
+            blk = seq.block_table[p // self.bs]
+            assert self.kv[blk][p % self.bs] == fps[p], (
+                f"seq {seq.seq_id} reads wrong KV at position {p} (block {blk})"
+            )
+        for p in range(start, start + n):
+            blk = seq.block_table[p // self.bs]
+            assert self.bm.blocks[blk].ref_count == 1, f"write into shared block {blk}"
+            self.kv[blk][p % self.bs] = fps[p]
+        end = start + n
+        return model(seq.token_ids[:end]) if end == len(seq) else DUMMY
+
+    # ---------------------------------------------------------------------- checks
+
+    def check(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        sched = self.sched
+        ids = [s.seq_id for s in seqs]
+        assert len(set(ids)) == len(ids)
+        running = {s.seq_id for s in sched.running}
+        waiting = {s.seq_id for s in sched.waiting}
+        done = {s.seq_id for s in self.finished}
+        assert not running & waiting and not running & done and not waiting & done
+        assert running | waiting | done == {s.seq_id for s in self.seqs}, "a sequence was lost"
+        assert len(sched.running) <= sched.max_num_seqs
+        assert set(ids) <= running
+        for s in sched.running:
+            assert s.status == SequenceStatus.RUNNING
+            if s.seq_id not in ids:
+                assert s.num_scheduled_tokens == 0
+        for s in sched.waiting:
+            assert s.status == SequenceStatus.WAITING and s.block_table == []
+        if is_prefill:
+            assert sum(s.num_scheduled_tokens for s in seqs) <= sched.max_num_batched_tokens
+        else:
+            assert len(seqs) <= sched.max_num_seqs
+        for s in seqs:
+            assert s.num_scheduled_tokens >= 1
+            end = s.num_computed_tokens + s.num_scheduled_tokens
+            assert end <= len(s)
+            if not is_prefill:
+                assert s.num_scheduled_tokens == 1 and s.num_computed_tokens == len(s) - 1
+            assert len(s.block_table) == cdiv(len(s), self.bs)
+        self.check_blocks()
+
+    def check_blocks(self) -> None:
+        bm = self.bm
+        where: dict[int, list[tuple[Sequence, int]]] = {}
+        for s in self.sched.running:
+            assert len(set(s.block_table)) == len(s.block_table)
+            for i, b in enumerate(s.block_table):
+                where.setdefault(b, []).append((s, i))
+        for block in bm.blocks:
+            holders = where.get(block.block_id, [])
+            assert block.ref_count == len(holders), f"block {block.block_id}"
+            assert (block.block_id in bm.free_block_ids) == (not holders)
+            if len(holders) > 1:  # only a full, hashed, computed block may be shared
+                assert block.hash != -1 and len(block.token_ids) == self.bs
+                assert len({i for _, i in holders}) == 1, "shared block at different positions"
+                for s, i in holders:
+                    assert tuple(s.token_ids[i * self.bs : (i + 1) * self.bs]) == block.token_ids
+                    assert (i + 1) * self.bs <= s.num_computed_tokens + s.num_scheduled_tokens
+
+    def check_done(self, max_model_len: int | None = None) -> None:
+        assert self.sched.is_finished()
+        assert len(self.finished) == len(self.seqs)
+        mml = max_model_len or self.sched.max_model_len
+        for s in self.seqs:
+            assert s.is_finished
+            prompt = s.token_ids[: s.num_prompt_tokens]
+            want = expected_completion(prompt, s.params.max_tokens, mml, s.params.stop_token_ids)
+            assert s.completion_token_ids == want, f"seq {s.seq_id}"
+        assert self.bm.num_free_blocks == len(self.bm.blocks)
+        assert all(b.ref_count == 0 for b in self.bm.blocks)
+
+
+# =============================================================== budgets and batching
