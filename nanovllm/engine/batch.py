@@ -37,27 +37,36 @@ class StepBatch:
             ]
         else:
             token_ids = [[seq.last_token] for seq in seqs]
+        return cls._build(seqs, is_prefill, token_ids, [seq.num_computed_tokens for seq in seqs], 0)
+
+    @classmethod
+    def ahead_of(cls, seqs: list[Sequence], in_flight: list[Sequence]) -> "StepBatch":
+        """The decode step after ``in_flight``, whose sampled tokens are not known yet."""
+        rows = {seq.seq_id: i for i, seq in enumerate(in_flight)}
+        token_ids = [[rows[seq.seq_id]] for seq in seqs]
+        batch = cls._build(seqs, False, token_ids, [seq.num_tokens for seq in seqs], 1)
+        batch.tokens_from_previous = True
+        return batch
+
+    @classmethod
+    def _build(
+        cls,
+        seqs: list[Sequence],
+        is_prefill: bool,
+        token_ids: list[list[int]],
+        start_positions: list[int],
+        tokens_in_flight: int,
+    ) -> "StepBatch":
         params = [seq.params for seq in seqs]
         return cls(
             is_prefill=is_prefill,
             token_ids=token_ids,
-            start_positions=[seq.num_computed_tokens for seq in seqs],
+            start_positions=start_positions,
             block_tables=[seq.block_table for seq in seqs],
             temperatures=[p.temperature for p in params],
             top_ks=[p.top_k for p in params],
             top_ps=[p.top_p for p in params],
             min_ps=[p.min_p for p in params],
             seeds=[p.seed for p in params],
-            steps=[seq.num_completion_tokens for seq in seqs],
+            steps=[seq.num_completion_tokens + tokens_in_flight for seq in seqs],
         )
-
-    @classmethod
-    def ahead_of(cls, seqs: list[Sequence], in_flight: list[Sequence]) -> "StepBatch":
-        """The decode step after ``in_flight``, whose sampled tokens are not known yet."""
-        batch = cls.from_sequences(seqs, is_prefill=False)
-        rows = {seq.seq_id: i for i, seq in enumerate(in_flight)}
-        batch.token_ids = [[rows[seq.seq_id]] for seq in seqs]
-        batch.start_positions = [seq.num_tokens for seq in seqs]
-        batch.steps = [step + 1 for step in batch.steps]
-        batch.tokens_from_previous = True
-        return batch

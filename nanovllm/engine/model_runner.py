@@ -226,7 +226,7 @@ class ModelRunner:
         input_ids = np.fromiter(
             (t for tokens in batch.token_ids for t in tokens), dtype=np.int64, count=len(slots)
         )
-        cu_k = np.concatenate([[0], np.cumsum(context_lens)])
+        cu_k = np.concatenate([[0], np.cumsum(context_lens)]) if batch.is_prefill else np.empty(0, np.int64)
         # float32 temperatures travel bit-cast in the int32 transfer
         temps = np.asarray(batch.temperatures, dtype=np.float32).view(np.int32)
         ids_d, pos_d, slots_d, ctx_d, cu_q_d, cu_k_d, table_d, temps_d = self._upload(

@@ -98,9 +98,9 @@ class Scheduler:
         """
         if self.waiting:
             return None
-        rows = {seq.seq_id: i for i, seq in enumerate(in_flight)}
+        in_flight_ids = {seq.seq_id for seq in in_flight}
         seqs = [seq for seq in self.running if not self._finishes_on_next_token(seq)]
-        if not seqs or any(seq.seq_id not in rows or seq.is_prefilling for seq in seqs):
+        if not seqs or any(seq.seq_id not in in_flight_ids or seq.is_prefilling for seq in seqs):
             return None
         bm = self.block_manager
         if sum(not bm.has_slot(seq, lookahead=1) for seq in seqs) > bm.num_free_blocks:
