@@ -5,21 +5,12 @@ interpreter gets bf16 ``tl.dot`` wrong); with CUDA the same checks run on the GP
 """
 
 import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# TRITON_INTERPRET is read when @triton.jit runs, for triton's own library too, so it only
-# works if set before triton is first imported. If another test module imported triton first,
-# the checks here run in a fresh subprocess instead (test_kernels_in_fresh_interpreter).
-STALE_TRITON = DEVICE == "cpu" and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.interpreter import DEVICE, run_in_fresh_interpreter, skip_if_stale
+
 dec = importlib.import_module("nanovllm.kernels.decode_attention")
 pre = importlib.import_module("nanovllm.kernels.prefill_attention")
 store = importlib.import_module("nanovllm.kernels.store_kvcache")
@@ -27,19 +18,11 @@ store = importlib.import_module("nanovllm.kernels.store_kvcache")
 
 @pytest.fixture(autouse=True)
 def _skip_if_stale_triton(request: pytest.FixtureRequest) -> None:
-    if STALE_TRITON and request.node.originalname != "test_kernels_in_fresh_interpreter":
-        pytest.skip("triton was imported before interpreter mode: checked in a subprocess")
+    skip_if_stale(request)
 
 
 def test_kernels_in_fresh_interpreter() -> None:
-    if not STALE_TRITON:
-        pytest.skip("the kernels run in this process")
-    root = Path(__file__).resolve().parents[1]
-    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_in_fresh_interpreter(__file__)
 
 
 DTYPES = [torch.float32, torch.float16]

@@ -8,6 +8,7 @@ from nanovllm.kernels.prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
+from nanovllm.kernels.sample import sample_tokens, sample_tokens_ref
 from nanovllm.kernels.store_kvcache import store_kvcache, store_kvcache_ref
 
 pytestmark = [
@@ -165,3 +166,37 @@ def test_prefill(block_size, num_heads, num_kv_heads, head_dim, seqs, dtype) -> 
     scale = head_dim**-0.5
     out = paged_prefill_attention(q, k_cache, v_cache, cu, ctx, tables, scale, max(q_lens))
     check(out, paged_prefill_attention_ref(q, k_cache, v_cache, cu, ctx, tables, scale))
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 151936), (256, 151936), (7, 1000)])
+def test_sample(rows: int, vocab: int) -> None:
+    torch.manual_seed(rows)
+    logits = (torch.randn(rows, vocab, device="cuda") * 4).bfloat16()
+    temps = torch.rand(rows, device="cuda") + 0.3
+    temps[::5] = 0.0
+    uniforms = torch.rand(rows, device="cuda")
+    out, ref = sample_tokens(logits, temps, uniforms), sample_tokens_ref(logits, temps, uniforms)
+    greedy = temps == 0
+    assert torch.equal(out[greedy], logits.float().argmax(-1)[greedy])
+    # off the greedy rows, a pick may differ only where the uniform sits on an interval edge
+    probs = (logits.float() / temps.clamp(min=1e-6).unsqueeze(1)).softmax(-1).double()
+    cdf = probs.cumsum(-1)
+    target = uniforms.double() * cdf[:, -1]
+    rows_ = torch.arange(rows, device="cuda")
+    below = torch.where(out > 0, cdf[rows_, (out - 1).clamp(min=0)], 0.0)
+    ok = (below <= target + 1e-5) & (cdf[rows_, out] > target - 1e-5) & (probs[rows_, out] > 0)
+    assert ok[~greedy].all()
+    assert (out == ref).float().mean().item() >= 0.95
+
+
+def test_sample_distribution() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(16, device="cuda") * 2
+    n = 200_000
+    batch = logits.expand(n, -1).contiguous().bfloat16()
+    temps = torch.full((n,), 0.7, device="cuda")
+    counts = torch.bincount(sample_tokens(batch, temps, torch.rand(n, device="cuda")), minlength=16)
+    probs = (batch[0].float() / 0.7).softmax(-1).double()
+    expected = probs * n
+    chi2 = (((counts.double() - expected) ** 2) / expected).sum().item()
+    assert chi2 < 50.0, chi2  # 99.99% quantile of chi-square with 15 degrees of freedom: 44.3

@@ -18,8 +18,9 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, int]:
         seq.num_scheduled_tokens = len(prompt) - start
         runner = llm.executor.runner
         with torch.inference_mode():
-            input_ids, positions, meta, _ = runner.prepare(StepBatch.from_sequences([seq], True))
-            logits = runner.model.compute_logits(runner.model(input_ids, positions, meta))
+            inputs = runner.inputs.build(StepBatch.from_sequences([seq], True), with_sampling=False)
+            hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
+            logits = runner.model.compute_logits(hidden)
         return logits.float().cpu(), start
     finally:
         manager.free(seq)

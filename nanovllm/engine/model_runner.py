@@ -10,6 +10,7 @@ from nanovllm.attention import AttentionMetadata, get_attention_backend
 from nanovllm.config import Config
 from nanovllm.engine.batch import StepBatch
 from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.engine.step_inputs import StepInputBuilder
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.parallel import TPGroup
 from nanovllm.layers.sampler import Sampler, SamplingTensors
@@ -74,9 +75,9 @@ class ModelRunner:
         else:
             load_model(self.model, config.model)
         self.sampler = Sampler()
+        self.inputs = StepInputBuilder(self.device, self.block_size)
         if self.device.type == "cuda" and not config.enforce_eager:
             compile_elementwise_ops(self.model)
-            compile_elementwise_ops(self.sampler)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs = None
@@ -116,6 +117,7 @@ class ModelRunner:
         hidden = self.model(ids, positions, meta)
         return self.model.compute_logits(hidden[cu[1:].long() - 1])
 
+    @torch.inference_mode()
     def _profile_peak_bytes(self) -> int:
         """Peak memory of a prefill at the full token budget, run against a one-block cache.
 
@@ -133,12 +135,11 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         budget = self.config.max_num_batched_tokens
-        max_len = min(self.config.max_model_len, max(budget // 2, 1))  # >= 2 rows for the sampler
+        max_len = min(self.config.max_model_len, budget)
         lens = [max_len] * (budget // max_len) + ([budget % max_len] if budget % max_len else [])
         logits = self._dummy_prefill(lens[: self.config.max_num_seqs], has_prefix=False)
         if logits is not None:
-            for rows in (logits[:1], logits):  # one row and many: both shapes get compiled
-                self.sampler(rows, SamplingTensors(torch.ones(rows.shape[0], device=self.device)))
+            self.sampler(logits, SamplingTensors(torch.ones(logits.shape[0], device=self.device)))
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated(self.device)
 
@@ -186,82 +187,11 @@ class ModelRunner:
         return num_blocks
 
     # --- one step -------------------------------------------------------------------------
-    def _to_device(self, data, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.as_tensor(data, dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
-
-    def _upload(self, int64_parts: list[np.ndarray], int32_parts: list[np.ndarray]) -> list[torch.Tensor]:
-        """Copy many small host arrays with two transfers; returns device views, in order."""
-        out = []
-        for parts, dtype in ((int64_parts, np.int64), (int32_parts, np.int32)):
-            flat = self._to_device(
-                np.concatenate([np.ravel(p) for p in parts]).astype(dtype, copy=False), None
-            )
-            offset = 0
-            for p in parts:
-                out.append(flat[offset : offset + p.size].view(p.shape))
-                offset += p.size
-        return out
-
-    def _block_table_array(self, batch: StepBatch) -> np.ndarray:
-        width = max(len(blocks) for blocks in batch.block_tables)
-        table = np.zeros((len(batch.block_tables), width), dtype=np.int32)
-        for i, blocks in enumerate(batch.block_tables):
-            table[i, : len(blocks)] = blocks
-        return table
-
-    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Batch tensors, attention metadata and per-row temperatures, in one upload."""
-        bs = self.block_size
-        q_lens = np.fromiter((len(t) for t in batch.token_ids), dtype=np.int64, count=len(batch.token_ids))
-        starts = np.asarray(batch.start_positions, dtype=np.int64)
-        context_lens = starts + q_lens
-        table = self._block_table_array(batch)
-        seq_index = np.repeat(np.arange(len(q_lens)), q_lens)
-        cu_q = np.concatenate([[0], np.cumsum(q_lens)])
-        positions = np.arange(int(cu_q[-1])) - np.repeat(cu_q[:-1], q_lens) + starts[seq_index]
-        slots = table[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-        input_ids = np.fromiter(
-            (t for tokens in batch.token_ids for t in tokens), dtype=np.int64, count=len(slots)
-        )
-        cu_k = np.concatenate([[0], np.cumsum(context_lens)]) if batch.is_prefill else np.empty(0, np.int64)
-        # float32 temperatures travel bit-cast in the int32 transfer
-        temps = np.asarray(batch.temperatures, dtype=np.float32).view(np.int32)
-        ids_d, pos_d, slots_d, ctx_d, cu_q_d, cu_k_d, table_d, temps_d = self._upload(
-            [input_ids, positions, slots], [context_lens, cu_q, cu_k, table, temps]
-        )
-        meta = AttentionMetadata(
-            is_prefill=batch.is_prefill,
-            slot_mapping=slots_d,
-            context_lens=ctx_d,
-            block_tables=table_d,
-            cu_seqlens_q=cu_q_d if batch.is_prefill else None,
-            cu_seqlens_k=cu_k_d if batch.is_prefill else None,
-            max_seqlen_q=int(q_lens.max()),
-            max_seqlen_k=int(context_lens.max()),
-            has_prefix=bool(starts.any()),
-        )
-        return ids_d, pos_d, meta, temps_d.view(torch.float32)
-
-    def _sampling_tensors(self, batch: StepBatch, temperatures: torch.Tensor) -> SamplingTensors:
-        st = SamplingTensors(temperatures)
-        st.all_greedy = not any(batch.temperatures)
-        if any(k > 0 for k in batch.top_ks):
-            st.top_ks = self._to_device(batch.top_ks, torch.int64)
-        if any(p < 1 for p in batch.top_ps):
-            st.top_ps = self._to_device(batch.top_ps, torch.float32)
-        if any(p > 0 for p in batch.min_ps):
-            st.min_ps = self._to_device(batch.min_ps, torch.float32)
-        if any(s is not None for s in batch.seeds):
-            st.seeds, st.steps = batch.seeds, batch.steps
-        return st
-
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> "SampledTokens | None":
         """Enqueue one step on the device; rank 0 gets a handle on the sampled tokens."""
-        input_ids, positions, meta, temperatures = self.prepare(batch)
+        inputs = self.inputs.build(batch, with_sampling=self.tp.rank == 0)
+        input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
         if batch.tokens_from_previous:
             input_ids = self.last_sampled[input_ids]
         if (
@@ -277,7 +207,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if self.tp.rank != 0:
             return None
-        self.last_sampled = self.sampler(logits, self._sampling_tensors(batch, temperatures))
+        self.last_sampled = self.sampler(logits, inputs.sampling)
         return SampledTokens(self.last_sampled)
 
     def run(self, batch: StepBatch) -> list[int] | None:

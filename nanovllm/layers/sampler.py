@@ -5,6 +5,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.kernels.sample import sample_tokens, sample_tokens_ref
+
 
 @dataclass(slots=True)
 class SamplingTensors:
@@ -15,28 +17,14 @@ class SamplingTensors:
     top_ps: torch.Tensor | None = None
     min_ps: torch.Tensor | None = None
     seeds: list[int | None] | None = None
-    """Rows with a seed draw their noise from ``(seed, step)``, so they reproduce exactly."""
+    """Rows with a seed draw their uniform from ``(seed, step)``, so they reproduce exactly."""
     steps: list[int] | None = None
     all_greedy: bool = False
 
 
-def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Greedy where the temperature is 0, else a draw from ``softmax(logits / T)``.
-
-    ``argmax(p / E)`` with ``E ~ Exp(1)`` draws from ``p`` (the exponential-race form of
-    Gumbel-max), so the draw needs no cumulative sums.
-    """
-    greedy = logits.argmax(dim=-1)
-    probs = (logits.float() / temperatures.clamp(min=1e-6).unsqueeze(1)).softmax(dim=-1)
-    return torch.where(temperatures == 0, greedy, (probs / noise).argmax(dim=-1))
-
-
 class Sampler(nn.Module):
-    compilable = ("sample_fn",)
-
-    def __init__(self):
-        super().__init__()
-        self.sample_fn = sample_tokens
+    """Filters the logits when a row asks for it, then draws with the sampling kernel (CUDA)
+    or its torch reference (CPU), from one uniform per row."""
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         if st.all_greedy:
@@ -44,13 +32,14 @@ class Sampler(nn.Module):
         if st.top_ks is not None or st.top_ps is not None or st.min_ps is not None:
             scaled = logits.float() / st.temperatures.clamp(min=1e-6).unsqueeze(1)
             logits = logits.float().masked_fill(self._removed(scaled, st), float("-inf"))
-        noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
+        uniforms = torch.rand(logits.shape[0], device=logits.device)
         if st.seeds is not None:
             for row, (seed, step) in enumerate(zip(st.seeds, st.steps)):
                 if seed is not None:
                     gen = torch.Generator(logits.device).manual_seed((seed * 1_000_003 + step) % 2**63)
-                    noise[row].exponential_(generator=gen)
-        return self.sample_fn(logits, st.temperatures, noise)
+                    uniforms[row] = torch.rand(1, generator=gen, device=logits.device)[0]
+        sample = sample_tokens if logits.is_cuda else sample_tokens_ref
+        return sample(logits, st.temperatures, uniforms)
 
     @staticmethod
     def _removed(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

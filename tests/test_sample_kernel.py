@@ -1,0 +1,82 @@
+"""The sampling kernel against its torch reference (Triton interpreter on CPU, or CUDA).
+
+Given the same uniforms both must pick the token whose cumulative-probability interval
+holds the uniform; float rounding may only move a pick that lies on an interval's edge.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+from tests.interpreter import DEVICE, run_in_fresh_interpreter, skip_if_stale
+
+kernel = importlib.import_module("nanovllm.kernels.sample")
+
+
+@pytest.fixture(autouse=True)
+def _skip_if_stale_triton(request: pytest.FixtureRequest) -> None:
+    skip_if_stale(request)
+
+
+def test_kernels_in_fresh_interpreter() -> None:
+    run_in_fresh_interpreter(__file__)
+
+
+def assert_in_interval(tokens, logits, temps, uniforms, eps=1e-5):
+    """Each sampled row's token lies in the cdf interval that holds its uniform."""
+    probs = (logits.float() / temps.clamp(min=1e-6).unsqueeze(1)).softmax(-1).double()
+    cdf = probs.cumsum(-1)
+    for row, tok in enumerate(tokens.tolist()):
+        if temps[row] == 0:
+            assert tok == logits[row].float().argmax().item(), row
+            continue
+        target = uniforms[row].item() * cdf[row, -1].item()
+        below = cdf[row, tok - 1].item() if tok else 0.0
+        assert probs[row, tok] > 0, (row, tok)
+        assert below <= target + eps and cdf[row, tok].item() > target - eps, (row, tok, target)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 37, 2048, 5000])
+def test_sample_matches_reference(dtype, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 12
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).to(dtype)
+    logits[3, 1::3] = float("-inf")  # filtered tokens
+    temps = torch.tensor([0.0, 1.0, 0.6, 1e-4, 2.0, 0.0, 1.0, 0.3, 1.5, 0.9, 1.0, 0.7])
+    uniforms = torch.rand(rows, generator=gen)
+    uniforms[1], uniforms[2] = 0.0, 1 - 2**-24  # both ends of [0, 1)
+    logits, temps, uniforms = logits.to(DEVICE), temps.to(DEVICE), uniforms.to(DEVICE)
+    out = kernel.sample_tokens(logits, temps, uniforms)
+    ref = kernel.sample_tokens_ref(logits, temps, uniforms)
+    assert out.dtype == torch.int64 and out.shape == (rows,)
+    assert_in_interval(out.cpu(), logits.cpu(), temps.cpu(), uniforms.cpu())
+    assert_in_interval(ref.cpu(), logits.cpu(), temps.cpu(), uniforms.cpu())
+    assert (out == ref).float().mean().item() >= 0.9
+
+
+def test_greedy_takes_the_first_of_tied_maxima():
+    logits = torch.zeros(3, 4100)
+    logits[0, [5, 4000]] = 1.0
+    logits[1, [2049, 3000]] = 1.0
+    logits[2, :] = -1.0
+    logits = logits.to(DEVICE)
+    out = kernel.sample_tokens(logits, torch.zeros(3, device=DEVICE), torch.zeros(3, device=DEVICE))
+    assert out.tolist() == [5, 2049, 0]
+
+
+def test_only_token_left_is_always_drawn():
+    logits = torch.full((4, 3000), float("-inf"))
+    logits[:, 2999] = 0.0
+    logits[1, 7] = -200.0  # a token whose probability underflows to 0 at low temperature
+    uniforms = torch.tensor([0.0, 0.5, 0.999999, 1 - 2**-24])
+    temps = torch.tensor([1.0, 0.05, 1.0, 3.0])
+    out = kernel.sample_tokens(logits.to(DEVICE), temps.to(DEVICE), uniforms.to(DEVICE))
+    assert out.tolist() == [2999] * 4
+
+
+def test_bad_stride_is_refused():
+    logits = torch.randn(8, 4, device=DEVICE).t()
+    with pytest.raises(ValueError, match="unit stride"):
+        kernel.sample_tokens(logits, torch.ones(4, device=DEVICE), torch.rand(4, device=DEVICE))
