@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)
 _BLOCK_V = 2048
 _NUM_WARPS = 8
 
