@@ -131,7 +131,7 @@ def run_hf(args, path, dummy, prompts, max_tokens) -> list[float]:
             ),
         )
         times = []
-        for _ in range(args.runs):
+        for _ in range(args.hf_runs):
             start = time.perf_counter()
             model.generate(ids, attention_mask=mask, generation_config=config)
             if device == "cuda":
@@ -163,7 +163,13 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument(
-        "--async-scheduling", action="store_true", help="nanovllm: overlap host and device work"
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="nanovllm: plan each decode step while the previous one runs (default on)",
+    )
+    parser.add_argument(
+        "--hf-runs", type=int, default=1, help="timed runs for hf, whose run takes minutes on a GPU"
     )
     parser.add_argument("--json", help="append each engine's result as a JSON line to this file")
     args = parser.parse_args()

@@ -30,8 +30,9 @@ class Config:
     device: str = "auto"
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
-    async_scheduling: bool = False
-    """Plan each decode step while the previous one runs on the device (one process only)."""
+    async_scheduling: bool = True
+    """Plan each decode step while the previous one runs on the device; with tensor
+    parallelism steps run one after another."""
     load_format: str = "auto"
     """"auto" loads ``*.safetensors``; "dummy" fills weights with random values."""
     seed: int = 0

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 _LOG2E = tl.constexpr(1.4426950408889634)
-_BLOCK_V = 2048
+_BLOCK_V = 4096
 _NUM_WARPS = 8
 
 
