@@ -4,26 +4,13 @@ Without CUDA the kernels run through the Triton interpreter on CPU (fp32/fp16 on
 interpreter gets bf16 ``tl.dot`` wrong); with CUDA the same checks run on the GPU.
 """
 
-import importlib
-
 import pytest
 import torch
 
-from tests.interpreter import DEVICE, run_in_fresh_interpreter, skip_if_stale
-
-dec = importlib.import_module("nanovllm.kernels.decode_attention")
-pre = importlib.import_module("nanovllm.kernels.prefill_attention")
-store = importlib.import_module("nanovllm.kernels.store_kvcache")
-
-
-@pytest.fixture(autouse=True)
-def _skip_if_stale_triton(request: pytest.FixtureRequest) -> None:
-    skip_if_stale(request)
-
-
-def test_kernels_in_fresh_interpreter() -> None:
-    run_in_fresh_interpreter(__file__)
-
+from nanovllm.kernels import decode_attention as dec
+from nanovllm.kernels import prefill_attention as pre
+from nanovllm.kernels import store_kvcache as store
+from tests.interpreter import DEVICE
 
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3}
