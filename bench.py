@@ -13,11 +13,14 @@ warm-up generate, then timed runs; throughput = output tokens / wall time.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from random import randint, seed
+
+from nanovllm.demo_models import SHAPES
 
 
 def workload(args) -> tuple[list[list[int]], list[int]]:
@@ -34,10 +37,10 @@ def model_dir(args) -> tuple[str, bool]:
     """The checkpoint to use, and whether it is a config-only folder (random weights)."""
     if args.model:
         return os.path.expanduser(args.model), False
-    from nanovllm.utils.checkpoint import QWEN3_8B, write_config
+    from nanovllm.demo_models import write_config
 
     path = tempfile.mkdtemp(prefix="nanovllm-bench-")
-    write_config(path, **(QWEN3_8B if args.shape == "qwen3-8b" else {}))
+    write_config(path, args.shape)
     return path, True
 
 
@@ -152,7 +155,7 @@ def main() -> None:
     parser.add_argument(
         "--shape",
         default="qwen3-0.6b",
-        choices=["qwen3-0.6b", "qwen3-8b"],
+        choices=sorted(SHAPES),
         help="model shape for random weights",
     )
     parser.add_argument("--num-seqs", type=int, default=256)
@@ -204,7 +207,11 @@ def main() -> None:
 
     prompts, max_tokens = workload(args)
     path, dummy = model_dir(args)
-    times = ENGINES[engines[0]](args, path, dummy, prompts, max_tokens)
+    try:
+        times = ENGINES[engines[0]](args, path, dummy, prompts, max_tokens)
+    finally:
+        if dummy:
+            shutil.rmtree(path, ignore_errors=True)
     total = sum(max_tokens)
     for i, t in enumerate(times, 1):
         print(

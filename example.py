@@ -9,6 +9,7 @@ import os
 import tempfile
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.demo_models import write_demo_model
 
 
 def main() -> None:
@@ -21,27 +22,38 @@ def main() -> None:
     args = parser.parse_args()
 
     path = os.path.expanduser(args.model)
-    demo = not os.path.isdir(path)
-    if demo:
-        from nanovllm.utils.checkpoint import make_random_checkpoint
+    if os.path.isdir(path):
+        run(path, args, demo=False)
+        return
+    print(f"{path} does not exist: running on a small generated demo model with RANDOM weights,")
+    print("so the completions below are gibberish. Pass --model DIR for a real model.\n")
+    with tempfile.TemporaryDirectory(prefix="nanovllm-demo-") as demo_dir:
+        run(write_demo_model(demo_dir), args, demo=True)
 
-        print(f"{path} does not exist: running on a small generated demo checkpoint with RANDOM weights,")
-        print("so the completions below are gibberish. Pass --model DIR for a real model.\n")
-        path = make_random_checkpoint(tempfile.mkdtemp(prefix="nanovllm-demo-"))
-    llm = LLM(path, enforce_eager=args.enforce_eager, tensor_parallel_size=1, max_model_len=1024)
-    sampling_params = SamplingParams(temperature=0.6, max_tokens=args.max_tokens)
-    prompts = ["introduce yourself", "list all prime numbers within 100"]
-    if not demo and llm.tokenizer.chat_template:
-        prompts = [
-            llm.tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-            )
-            for p in prompts
-        ]
-    outputs = llm.generate(prompts, sampling_params)
-    for prompt, output in zip(prompts, outputs):
-        print(f"\nPrompt: {prompt!r}\nCompletion: {output['text']!r}")
-    llm.exit()
+
+def run(path: str, args: argparse.Namespace, demo: bool) -> None:
+    llm = LLM(
+        path,
+        enforce_eager=args.enforce_eager,
+        tensor_parallel_size=1,
+        max_model_len=1024,
+        load_format="dummy" if demo else "auto",
+    )
+    try:
+        sampling_params = SamplingParams(temperature=0.6, max_tokens=args.max_tokens)
+        prompts = ["introduce yourself", "list all prime numbers within 100"]
+        if not demo and llm.tokenizer.chat_template:
+            prompts = [
+                llm.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                )
+                for p in prompts
+            ]
+        outputs = llm.generate(prompts, sampling_params)
+        for prompt, output in zip(prompts, outputs):
+            print(f"\nPrompt: {prompt!r}\nCompletion: {output['text']!r}")
+    finally:
+        llm.exit()
 
 
 if __name__ == "__main__":

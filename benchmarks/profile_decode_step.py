@@ -14,8 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.batch import StepBatch
-from nanovllm.utils.checkpoint import write_config
+from nanovllm.demo_models import write_config
 
 
 def main() -> None:
@@ -33,39 +32,37 @@ def main() -> None:
         llm.add_request([(i * 7 + j) % 10000 for j in range(args.context)], params)
     sched, runner = llm.scheduler, llm.executor.runner
     while True:  # prefill everything
-        seqs, is_prefill = sched.schedule()
-        if not is_prefill:
+        step = sched.schedule()
+        if not step.is_prefill:
             break
-        sched.postprocess(seqs, runner.run(StepBatch.from_sequences(seqs, True)), True)
+        sched.postprocess(step, runner.run(step.batch))
     # the last schedule() was a decode; run it, then time steps split by part
-    sched.postprocess(seqs, runner.run(StepBatch.from_sequences(seqs, False)), False)
+    sched.postprocess(step, runner.run(step.batch))
     torch.cuda.synchronize()
-    parts = {"schedule": 0.0, "batch": 0.0, "run": 0.0, "postprocess": 0.0}
+    parts = {"schedule + plan": 0.0, "run": 0.0, "postprocess": 0.0}
     start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
     start_ev.record()
     for _ in range(args.steps):
         a = time.perf_counter()
-        seqs, is_prefill = sched.schedule()
+        step = sched.schedule()
         b = time.perf_counter()
-        batch = StepBatch.from_sequences(seqs, is_prefill)
+        tokens = runner.run(step.batch)
         c = time.perf_counter()
-        tokens = runner.run(batch)
+        sched.postprocess(step, tokens)
         d = time.perf_counter()
-        sched.postprocess(seqs, tokens, is_prefill)
-        e = time.perf_counter()
-        for k, v in zip(parts, (b - a, c - b, d - c, e - d)):
+        for k, v in zip(parts, (b - a, c - b, d - c)):
             parts[k] += v
     end_ev.record()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / args.steps * 1e3
-    print(f"batch {len(seqs)}, context ~{args.context}: {wall:.3f} ms/step wall")
+    print(f"batch {len(step.seqs)}, context ~{args.context}: {wall:.3f} ms/step wall")
     for k, v in parts.items():
         print(f"  {k:12s} {v / args.steps * 1e3:.3f} ms")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            seqs, is_prefill = sched.schedule()
-            sched.postprocess(seqs, runner.run(StepBatch.from_sequences(seqs, is_prefill)), is_prefill)
+            step = sched.schedule()
+            sched.postprocess(step, runner.run(step.batch))
         torch.cuda.synchronize()
     gpu_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 5
     print(f"GPU busy per step: {gpu_us / 1e3:.3f} ms (so {wall - gpu_us / 1e3:.3f} ms/step not overlapped)")

@@ -18,8 +18,8 @@ import torch
 
 from bench import workload
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine import llm_engine
-from nanovllm.utils.checkpoint import write_config
+from nanovllm.demo_models import write_config
+from nanovllm.execution.model_runner import SampledTokens
 
 events: list[tuple[float, str]] = []
 
@@ -66,12 +66,13 @@ def main() -> None:
     hook_compiles()
 
     host = defaultdict(float)
-    original_launch, original_tolist = llm._launch, llm_engine.SampledTokens.tolist
+    original_launch, original_tolist = llm._launch, SampledTokens.tolist
 
-    def launch(seqs, is_prefill, batch):
+    def launch(step):
         start = time.perf_counter()
-        original_launch(seqs, is_prefill, batch)
-        kind = "prefill" if is_prefill else ("ahead" if batch.tokens_from_previous else "decode")
+        original_launch(step)
+        batch = step.batch
+        kind = "prefill" if batch.is_prefill else ("ahead" if batch.previous_sample_rows else "decode")
         host[f"launch {kind}"] += time.perf_counter() - start
         host[f"# {kind} launches"] += 1
 
@@ -82,14 +83,14 @@ def main() -> None:
         return out
 
     llm._launch = launch
-    llm_engine.SampledTokens.tolist = tolist
+    SampledTokens.tolist = tolist
     original_step = llm.step
     steps: list[tuple[float, int]] = []
 
     def step():
         start = time.perf_counter()
         out = original_step()
-        steps.append((time.perf_counter() - start, out[1]))
+        steps.append((time.perf_counter() - start, out.num_prefill_tokens or -out.num_decode_tokens))
         return out
 
     llm.step = step

@@ -1,18 +1,27 @@
-"""The engine's one typed configuration."""
+"""The engine's one typed configuration, validated whole before any worker starts."""
 
+import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from transformers import AutoConfig, PretrainedConfig
+import torch
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
+from nanovllm.models.registry import Architecture, attention_dims, resolve_architecture
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
+CPU_KV_CACHE_BYTES = 2 * 2**30
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
-    """Everything ``LLM(model, **kwargs)`` accepts; validated on construction."""
+    """Everything ``LLM(model, **options)`` accepts, checked on construction.
+
+    "auto" values are resolved here: after construction ``device`` is "cpu" or "cuda:N" (the
+    device of rank 0; rank r uses N + r), ``dtype`` a key of :data:`DTYPES` and
+    ``attention_backend`` one of :data:`ATTENTION_BACKENDS`.
+    """
 
     model: str
     max_num_batched_tokens: int = 16384
@@ -36,36 +45,81 @@ class Config:
     load_format: str = "auto"
     """"auto" loads ``*.safetensors``; "dummy" fills weights with random values."""
     seed: int = 0
-    hf_config: PretrainedConfig = field(init=False, repr=False)
-    eos_token_ids: list[int] = field(init=False, default_factory=list)
+    hf_config: PretrainedConfig = field(init=False, repr=False, compare=False)
+    architecture: Architecture = field(init=False, repr=False)
+    eos_token_ids: tuple[int, ...] = field(init=False, default=())
+
+    @classmethod
+    def from_options(cls, model: str, **options) -> "Config":
+        """``Config(model, **options)``, with a clear error for an option we do not know."""
+        known = {f.name for f in fields(cls) if f.init} - {"model"}
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(f"unknown LLM options {sorted(unknown)}; known: {sorted(known)}")
+        return cls(os.path.expanduser(model), **options)
 
     def __post_init__(self) -> None:
+        def resolve(name: str, value) -> None:
+            object.__setattr__(self, name, value)
+
         if not os.path.isdir(self.model):
             raise FileNotFoundError(f"model folder {self.model!r} does not exist")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise FileNotFoundError(f"{self.model!r} has no config.json: not a Hugging Face model folder")
-        self.hf_config = AutoConfig.from_pretrained(self.model)
-        archs = getattr(self.hf_config, "architectures", None) or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(f"unsupported architecture {archs}; supported: {SUPPORTED_ARCHITECTURES}")
-        self._check_choices()
+        resolve("hf_config", AutoConfig.from_pretrained(self.model))
+        resolve("architecture", resolve_architecture(self.hf_config))
         self._check_numbers()
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        self.eos_token_ids = self._eos_ids()
+        resolve("max_model_len", min(self.max_model_len, self.hf_config.max_position_embeddings))
+        resolve("device", self._resolve_device())
+        resolve("dtype", self._resolve_dtype())
+        resolve("attention_backend", self._resolve_attention_backend())
+        resolve("eos_token_ids", self._eos_ids())
+        fixed = self.fixed_num_kvcache_blocks
+        if fixed is not None:
+            self.check_kv_cache_fits(fixed)
 
-    def _check_choices(self) -> None:
-        for name, value, choices in (
-            ("dtype", self.dtype, DTYPES),
-            ("attention_backend", self.attention_backend, ATTENTION_BACKENDS),
-            ("load_format", self.load_format, ("auto", "dummy")),
-        ):
-            if value not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+    # --- derived values ------------------------------------------------------------------
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
 
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.kvcache_block_size)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block over every layer, on one tensor-parallel rank."""
+        _, num_kv_heads, head_dim = attention_dims(self.hf_config)
+        per_token = 2 * num_kv_heads // self.tensor_parallel_size * head_dim * self.torch_dtype.itemsize
+        return self.hf_config.num_hidden_layers * self.kvcache_block_size * per_token
+
+    def kv_blocks_for(self, num_bytes: float) -> int:
+        """KV blocks that fit in ``num_bytes``, never more than every sequence at full length uses."""
+        return min(int(num_bytes // self.kv_block_bytes), self.max_num_seqs * self.max_blocks_per_seq)
+
+    @property
+    def fixed_num_kvcache_blocks(self) -> int | None:
+        """The KV block count when the options fix it; None when it comes from profiling the GPU."""
+        if self.num_kvcache_blocks > 0:
+            return self.num_kvcache_blocks
+        if self.kv_cache_memory_gb is not None:
+            return self.kv_blocks_for(self.kv_cache_memory_gb * 2**30)
+        if self.device == "cpu":
+            return self.kv_blocks_for(CPU_KV_CACHE_BYTES)
+        return None
+
+    def check_kv_cache_fits(self, num_blocks: int) -> None:
+        if num_blocks * self.kvcache_block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {max(num_blocks, 0) * self.kvcache_block_size} tokens, less than one "
+                f"sequence of max_model_len={self.max_model_len}: raise gpu_memory_utilization / "
+                f"kv_cache_memory_gb / num_kvcache_blocks, or lower max_model_len"
+            )
+
+    # --- checks and resolution ---------------------------------------------------------------
     def _check_numbers(self) -> None:
-        cfg, tp = self.hf_config, self.tensor_parallel_size
+        tp = self.tensor_parallel_size
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -74,19 +128,67 @@ class Config:
             raise ValueError(f"kvcache_block_size must be a power of two, got {bs}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        if cfg.num_attention_heads % tp or num_kv_heads % tp:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        num_heads, num_kv_heads, _ = attention_dims(self.hf_config)
+        if num_heads % tp or num_kv_heads % tp:
             raise ValueError(
                 f"tensor_parallel_size={tp} must divide the attention heads "
-                f"({cfg.num_attention_heads}) and KV heads ({num_kv_heads})"
+                f"({num_heads}) and KV heads ({num_kv_heads})"
             )
 
-    def _eos_ids(self) -> list[int]:
+    def _resolve_device(self) -> str:
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            return device
+        index = device.removeprefix("cuda").removeprefix(":")
+        if not device.startswith("cuda") or not (index == "" or index.isdigit()):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} was asked for but CUDA is not available")
+        first, count = int(index or 0), torch.cuda.device_count()
+        if first + self.tensor_parallel_size > count:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} from cuda:{first} needs "
+                f"{first + self.tensor_parallel_size} GPUs; this machine has {count}"
+            )
+        return f"cuda:{first}"
+
+    def _resolve_dtype(self) -> str:
+        if self.dtype != "auto":
+            if self.dtype not in DTYPES:
+                raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+            return self.dtype
+        dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        if name in DTYPES:
+            return name
+        return "bfloat16" if self.device != "cpu" else "float32"
+
+    def _resolve_attention_backend(self) -> str:
+        name, cuda, bs = self.attention_backend, self.device != "cpu", self.kvcache_block_size
+        flash_attn_installed = importlib.util.find_spec("flash_attn") is not None
+        if name == "auto":
+            if not cuda:
+                return "torch"
+            return "flash_attn" if flash_attn_installed and bs % 256 == 0 else "triton"
+        if name not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be 'auto' or one of {ATTENTION_BACKENDS}, got {name!r}")
+        if name == "flash_attn":
+            if not cuda or not flash_attn_installed:
+                raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package")
+            if bs % 256:
+                raise ValueError(f"flash-attn needs kvcache_block_size to be a multiple of 256, got {bs}")
+        if name == "triton" and bs < 16:
+            raise ValueError(f"the Triton backend needs kvcache_block_size >= 16, got {bs}")
+        return name
+
+    def _eos_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
         sources = [getattr(self.hf_config, "eos_token_id", None)]
         try:
-            from transformers import GenerationConfig
-
             sources.append(GenerationConfig.from_pretrained(self.model).eos_token_id)
         except OSError:
             pass
@@ -94,4 +196,4 @@ class Config:
             for i in eos if isinstance(eos, (list, tuple)) else [eos]:
                 if i is not None and i not in ids:
                     ids.append(int(i))
-        return ids
+        return tuple(ids)

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from nanovllm.utils.checkpoint import make_random_checkpoint
+from tests.checkpoints import make_random_checkpoint
 
 
 @pytest.fixture(scope="session")

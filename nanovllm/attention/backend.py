@@ -1,8 +1,14 @@
 """The interface every attention backend implements, and the metadata it reads."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 
 import torch
+
+
+def _padded(value: int, why: str):
+    """A per-row tensor field; rows that only pad a batch (e.g. up to a CUDA graph's batch
+    size) hold ``value``."""
+    return field(metadata={"pad": value, "why": why})
 
 
 @dataclass(slots=True)
@@ -10,19 +16,47 @@ class AttentionMetadata:
     """Where this step's tokens go in the paged cache and what each query attends to.
 
     ``context_lens`` counts each sequence's cached tokens after this step's tokens are
-    stored; for decode there is one query token per sequence.
+    stored; for decode there is one query token per sequence. Per-row tensor fields declare
+    the value of a padding row, so a decode batch can be copied into a larger captured one
+    (:meth:`static_copy`, :meth:`copy_rows_from`) whatever fields exist.
     """
 
     is_prefill: bool
-    slot_mapping: torch.Tensor
-    context_lens: torch.Tensor
-    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor = _padded(-1, "store no K/V")
+    context_lens: torch.Tensor = _padded(1, "attend to one key, of block 0")
+    block_tables: torch.Tensor = _padded(0, "block 0, which exists")
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 1
     max_seqlen_k: int = 0
     has_prefix: bool = False
     """True when some sequence attends to keys computed in an earlier step."""
+
+    def _row_fields(self) -> list[tuple[str, int]]:
+        """(name, padding value) of every tensor field set in this instance."""
+        out = []
+        for f in fields(self):
+            if isinstance(getattr(self, f.name), torch.Tensor):
+                if "pad" not in f.metadata:
+                    raise ValueError(f"AttentionMetadata.{f.name} has no padding value: it cannot be padded")
+                out.append((f.name, f.metadata["pad"]))
+        return out
+
+    def static_copy(self) -> "AttentionMetadata":
+        """A copy whose tensors a CUDA graph can read: later batches are copied into them."""
+        return replace(self, **{name: getattr(self, name).clone() for name, _ in self._row_fields()})
+
+    def first_rows(self, n: int) -> "AttentionMetadata":
+        """A view of the first ``n`` rows (host-side values unchanged)."""
+        return replace(self, **{name: getattr(self, name)[:n] for name, _ in self._row_fields()})
+
+    def copy_rows_from(self, other: "AttentionMetadata", num_rows: int) -> None:
+        """Copy ``other``'s rows into the first of ours and pad the rest up to ``num_rows``."""
+        for name, pad in self._row_fields():
+            mine, theirs = getattr(self, name), getattr(other, name)
+            n = theirs.shape[0]
+            mine[:n].copy_(theirs)
+            mine[n:num_rows].fill_(pad)
 
 
 class AttentionBackend:

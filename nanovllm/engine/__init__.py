@@ -1,0 +1,1 @@
+"""The orchestration layer: prompts in, sequences through the step loop, completions out."""

@@ -1,73 +1,62 @@
 """The orchestration layer: prompts in, completions out, in prompt order."""
 
-import atexit
-import os
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from itertools import count
 
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.batch import StepBatch
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.model_runner import SampledTokens
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tp_executor import TPExecutor
+from nanovllm.engine.executor import Executor, SampledTokens
 from nanovllm.sampling_params import SamplingParams
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+from nanovllm.scheduling import BlockManager, ScheduledStep, Scheduler, Sequence
 
 
 @dataclass(slots=True)
 class InFlightStep:
-    seqs: list[Sequence]
-    is_prefill: bool
-    num_tokens: int
+    step: ScheduledStep
     tokens: SampledTokens
 
 
+@dataclass(slots=True)
+class StepResult:
+    """What one :meth:`LLMEngine.step` did."""
+
+    finished: list[Sequence]
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
 class LLMEngine:
-    """Owns the scheduler, the executor and the tokenizer; see :meth:`generate`.
+    """Turns prompts into sequences and runs the step loop on the executor it is handed.
 
     Bad input (a bad prompt or sampling parameter anywhere in a call) makes the whole
     ``generate`` call raise ``ValueError`` before any work starts; the engine stays usable.
     """
 
-    def __init__(self, model: str, **kwargs):
-        known = {f.name for f in fields(Config) if f.init}
-        unknown = set(kwargs) - known
-        if unknown:
-            raise ValueError(f"unknown LLM options {sorted(unknown)}; known: {sorted(known - {'model'})}")
-        self.config = config = Config(os.path.expanduser(model), **kwargs)
-        self.executor = None
-        self.tokenizer = None
-        if any(os.path.exists(os.path.join(config.model, f)) for f in TOKENIZER_FILES):
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(config.model, use_fast=True)
-        self.executor = TPExecutor(config)
-        atexit.register(self.exit)
-        self.num_kvcache_blocks = self.executor.runner.num_kvcache_blocks
+    def __init__(self, config: Config, executor: Executor, tokenizer=None):
+        self.config = config
+        self.executor: Executor | None = executor
+        self.tokenizer = tokenizer
         self.vocab_size = config.hf_config.vocab_size
-        self.in_flight: deque[InFlightStep] = deque()
-        # planning a step while the previous one runs needs that step's tokens on this rank
-        self.plan_ahead = config.async_scheduling and config.tensor_parallel_size == 1
+        self.num_kvcache_blocks = executor.num_kvcache_blocks
         self.scheduler = Scheduler(
             BlockManager(self.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching),
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.max_model_len,
-            config.eos_token_ids,
+            list(config.eos_token_ids),
         )
+        self.in_flight: deque[InFlightStep] = deque()
+        self.seq_ids = count()
+        self.async_scheduling = config.async_scheduling and executor.supports_async_scheduling
 
     def exit(self) -> None:
         """Stop workers and free the KV cache, CUDA graphs and shared memory. Idempotent."""
         if self.executor is not None:
             self.executor.close()
             self.executor = None
-        atexit.unregister(self.exit)
 
     def _to_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -94,18 +83,15 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
         token_ids = self._to_token_ids(prompt)
         self._validate(0, token_ids)
-        seq = Sequence(token_ids, sampling_params)
+        seq = Sequence(next(self.seq_ids), token_ids, sampling_params)
         self.scheduler.add(seq)
         return seq
 
-    def _launch(self, seqs: list[Sequence], is_prefill: bool, batch: StepBatch) -> None:
-        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
-        tokens = self.executor.call("launch", batch)
-        self.in_flight.append(InFlightStep(seqs, is_prefill, num_tokens, tokens))
+    def _launch(self, step: ScheduledStep) -> None:
+        self.in_flight.append(InFlightStep(step, self.executor.launch(step.batch)))
 
-    def step(self) -> tuple[list[Sequence], int]:
-        """Run one step; returns the finished sequences and the tokens it processed
-        (positive: prefill tokens, negative: decode sequences).
+    def step(self) -> StepResult:
+        """Run one step: plan and launch it, then collect its tokens.
 
         With ``async_scheduling``, a decode step is followed at once by the next one, planned
         before the first one's tokens are back, so host work overlaps device work.
@@ -113,25 +99,25 @@ class LLMEngine:
         if self.executor is None:
             raise RuntimeError("this engine has been shut down")
         if not self.in_flight:
-            seqs, is_prefill = self.scheduler.schedule()
-            self._launch(seqs, is_prefill, StepBatch.from_sequences(seqs, is_prefill))
-        last = self.in_flight[-1]
-        if self.plan_ahead and len(self.in_flight) == 1 and not last.is_prefill:
-            seqs = self.scheduler.schedule_ahead(last.seqs)
-            if seqs:
-                self._launch(seqs, False, StepBatch.ahead_of(seqs, last.seqs))
-        step = self.in_flight.popleft()
-        finished = self.scheduler.postprocess(step.seqs, step.tokens.tolist(), step.is_prefill)
-        return finished, step.num_tokens
+            self._launch(self.scheduler.schedule())
+        last = self.in_flight[-1].step
+        if self.async_scheduling and len(self.in_flight) == 1:
+            ahead = self.scheduler.schedule_ahead(last)
+            if ahead is not None:
+                self._launch(ahead)
+        done = self.in_flight.popleft()
+        finished = self.scheduler.postprocess(done.step, done.tokens.tolist())
+        if done.step.is_prefill:
+            return StepResult(finished, num_prefill_tokens=done.step.num_tokens)
+        return StepResult(finished, num_decode_tokens=done.step.num_tokens)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self.in_flight
 
-    def _abort_all(self) -> None:
+    def abort_all(self) -> None:
+        """Drop every request and step in flight; their blocks return to the cache."""
         self.in_flight.clear()
-        for queue in (self.scheduler.running, self.scheduler.waiting):
-            while queue:
-                self.scheduler.block_manager.free(queue.pop())
+        self.scheduler.abort_all()
 
     def generate(
         self,
@@ -153,7 +139,7 @@ class LLMEngine:
         token_ids = [self._to_token_ids(p) for p in prompts]
         for i, ids in enumerate(token_ids):
             self._validate(i, ids)
-        seqs = [Sequence(ids, sp) for ids, sp in zip(token_ids, sampling_params)]
+        seqs = [Sequence(next(self.seq_ids), ids, sp) for ids, sp in zip(token_ids, sampling_params)]
         for seq in seqs:
             self.scheduler.add(seq)
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
@@ -161,18 +147,18 @@ class LLMEngine:
         try:
             while not self.is_finished():
                 start = time.perf_counter()
-                finished, num_tokens = self.step()
+                result = self.step()
                 elapsed = time.perf_counter() - start
-                if num_tokens > 0:
-                    prefill_tps = num_tokens / elapsed
+                if result.num_prefill_tokens:
+                    prefill_tps = result.num_prefill_tokens / elapsed
                 else:
-                    decode_tps = -num_tokens / elapsed
+                    decode_tps = result.num_decode_tokens / elapsed
                 bar.set_postfix(
                     prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s", refresh=False
                 )
-                bar.update(len(finished))
+                bar.update(len(result.finished))
         except BaseException:
-            self._abort_all()
+            self.abort_all()
             raise
         finally:
             bar.close()

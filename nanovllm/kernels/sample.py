@@ -4,6 +4,10 @@ For row ``r`` with temperature ``T`` and a uniform ``u`` in [0, 1): the token is
 index whose cumulative ``softmax(logits / T)`` exceeds ``u``; ``T == 0`` means argmax.
 The kernel reads the logits twice (normaliser, then the cumulative sum) and writes one int
 per row, where sorting or Gumbel noise would write and read vocabulary-sized tensors.
+
+A seeded row (``steps[r] >= 0``) takes its uniform from a hash of ``(seeds[r], steps[r])``
+instead, so its draw depends on nothing else in the batch: murmur3's 32-bit finaliser
+applied in turn to the step, the seed's high and its low word.
 """
 
 import torch
@@ -13,12 +17,45 @@ import triton.language as tl
 _LOG2E = tl.constexpr(1.4426950408889634)
 _BLOCK_V = 4096
 _NUM_WARPS = 8
+_MASK32 = 0xFFFF_FFFF
+_STEP_SALT = tl.constexpr(0x9E3779B9)
+
+
+def _mul32_ref(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` < 2**32, in halves so that no product overflows."""
+    low = x * (c & 0xFFFF)
+    high = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
+def _fmix32_ref(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32_ref(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32_ref(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def seeded_uniforms_ref(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1) (24 bits) that depend only on each row's int64 ``(seed, step)``."""
+    seeds, steps = seeds.long(), steps.long()
+    h = _fmix32_ref((steps & _MASK32) ^ _STEP_SALT.value)
+    h = _fmix32_ref(h ^ ((seeds >> 32) & _MASK32))
+    h = _fmix32_ref(h ^ (seeds & _MASK32))
+    return (h >> 8).float() * 2.0**-24
 
 
 def sample_tokens_ref(
-    logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    uniforms: torch.Tensor,
+    seeds: torch.Tensor | None = None,
+    steps: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain-torch reference: ``[rows, vocab]`` logits, ``[rows]`` temperatures and uniforms."""
+    """Plain-torch reference: ``[rows, vocab]`` logits, ``[rows]`` temperatures and uniforms;
+    with ``seeds`` and ``steps`` (int64), rows whose step is >= 0 use the seeded uniform."""
+    if seeds is not None:
+        uniforms = torch.where(steps >= 0, seeded_uniforms_ref(seeds, steps), uniforms.float())
     greedy = logits.argmax(dim=-1)
     inv_t = 1.0 / temperatures.float().clamp(min=1e-6)
     probs = (logits.float() * inv_t.unsqueeze(1)).softmax(dim=-1)
@@ -32,14 +69,26 @@ def sample_tokens_ref(
     return torch.where(temperatures == 0, greedy, drawn)
 
 
+@triton.jit
+def _fmix32(h):
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
 @triton.jit(do_not_specialize=["vocab_size", "stride_row"])
 def _sample_kernel(
     logits_ptr,
     temps_ptr,
     uniforms_ptr,
+    seeds_ptr,
+    steps_ptr,
     out_ptr,
     vocab_size,
     stride_row,
+    HAS_SEEDS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -66,7 +115,16 @@ def _sample_kernel(
         total = tl.sum(
             lane_sum * tl.where(lane_max > float("-inf"), tl.exp2((lane_max - row_max) * scale), 0.0), 0
         )
-        target = tl.load(uniforms_ptr + row) * total
+        uniform = tl.load(uniforms_ptr + row)
+        if HAS_SEEDS:
+            step = tl.load(steps_ptr + row)
+            if step >= 0:
+                seed = tl.load(seeds_ptr + row)
+                h = _fmix32(step.to(tl.uint32) ^ _STEP_SALT)
+                h = _fmix32(h ^ (seed >> 32).to(tl.uint32))
+                h = _fmix32(h ^ seed.to(tl.uint32))
+                uniform = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+        target = uniform * total
         # pass 2: the first index whose cumulative mass exceeds the target
         below = 0.0
         drawn = vocab_size
@@ -83,20 +141,30 @@ def _sample_kernel(
     tl.store(out_ptr + row, token.to(out_ptr.dtype.element_ty))
 
 
-def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample_tokens(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    uniforms: torch.Tensor,
+    seeds: torch.Tensor | None = None,
+    steps: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Triton version of :func:`sample_tokens_ref` (same semantics); returns int64 token ids."""
     rows, vocab_size = logits.shape
     if logits.stride(-1) != 1:
         raise ValueError("logits need a unit stride in the last dimension")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    has_seeds = seeds is not None
     if rows:
         _sample_kernel[(rows,)](
             logits,
             temperatures.float().contiguous(),
             uniforms.float().contiguous(),
+            seeds.long().contiguous() if has_seeds else out,
+            steps.long().contiguous() if has_seeds else out,
             out,
             vocab_size,
             logits.stride(0),
+            HAS_SEEDS=has_seeds,
             BLOCK_V=_BLOCK_V,
             num_warps=_NUM_WARPS,
         )

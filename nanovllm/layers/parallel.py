@@ -26,6 +26,14 @@ class TPGroup:
         dist.gather(x, parts, dst=0)
         return torch.cat(parts, dim=-1) if self.rank == 0 else None
 
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The least of every rank's ``value``."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
 
 def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:

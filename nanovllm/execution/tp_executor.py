@@ -15,7 +15,8 @@ from multiprocessing.shared_memory import SharedMemory
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.execution.model_runner import ModelRunner, SampledTokens
+from nanovllm.scheduling import StepBatch
 
 SHM_BYTES = 1 << 24
 
@@ -38,8 +39,12 @@ def _worker_main(config: Config, rank: int, init_method: str, shm_name: str, eve
 
 
 class TPExecutor:
+    """The engine's executor: one :class:`ModelRunner` per rank, driven from this process."""
+
     def __init__(self, config: Config):
         self.size = config.tensor_parallel_size
+        # only rank 0 holds the sampled tokens a step planned ahead would read
+        self.supports_async_scheduling = self.size == 1
         self.shm = None
         self.procs: list = []
         self.events: list = []
@@ -72,13 +77,18 @@ class TPExecutor:
         except BaseException:
             self.close()
             raise
+        self.num_kvcache_blocks = self.runner.num_kvcache_blocks
 
     def _check_workers(self) -> None:
         for rank, proc in enumerate(self.procs, start=1):
             if not proc.is_alive():
                 raise RuntimeError(f"tensor-parallel worker {rank} died (exit code {proc.exitcode})")
 
-    def call(self, method: str, *args):
+    def launch(self, batch: StepBatch) -> SampledTokens:
+        """Start one step on every rank; returns rank 0's handle on its sampled tokens."""
+        return self._call("launch", batch)
+
+    def _call(self, method: str, *args):
         """Run ``method`` on every rank; returns rank 0's result."""
         if self.procs:
             self._check_workers()

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from nanovllm.engine.sequence import SequenceStatus
-from tests.scheduler_harness import VOCAB, Harness, deadline
+from nanovllm.scheduling.sequence import SequenceStatus
+from tests.scheduling.harness import VOCAB, Harness, deadline
 
 # ======================================================================== preemption
 
@@ -19,7 +19,7 @@ def test_preemption_victim_is_newest_and_it_later_hits_its_own_blocks():
     batch, is_prefill, _ = h.step()
     assert is_prefill and batch == [a, b, c] and h.bm.num_free_blocks == 0
     c_blocks = list(c.block_table)
-    assert c.num_hashed_blocks == 2
+    assert c.num_shared_blocks == 2
 
     batch, is_prefill, finished = h.step()  # a needs a block: the newest running (c) goes
     assert not is_prefill and batch == [a, b]
@@ -205,6 +205,24 @@ def test_generate_loop_loses_nothing(name, seed):
         assert h.sched.num_preemptions > 0, "the tight configuration should preempt"
     if not prefix:
         assert h.prefix_hit_tokens == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_async_loop_plans_ahead_and_loses_nothing(name, seed):
+    """Decode steps planned before the previous step's tokens are known: same completions,
+    rows and block tables kept in step, every block returned."""
+    num_blocks, bs, max_seqs, budget, prefix = CONFIGS[name]
+    max_model_len = min(num_blocks * bs, 48)
+    h = Harness(num_blocks, bs, max_seqs, budget, max_model_len, prefix_caching=prefix)
+    rng = random.Random(seed)
+    for prompt, max_tokens in _workload(rng, 14, max_prompt=30, max_new=18):
+        h.add(prompt, max_tokens=max_tokens, stop_token_ids=[rng.randrange(VOCAB) for _ in range(40)])
+    planned_ahead = h.run_async()
+    h.check_done()
+    if name != "block_size_16":  # 4 blocks: too tight to plan ahead
+        assert planned_ahead > 0
+    assert sorted(h.sched.free_rows) == list(range(max_seqs))
 
 
 def test_generate_loop_with_arrivals_between_steps():

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.checkpoint import write_config
+from nanovllm.demo_models import write_config
 
 OPTIONS = dict(device="cpu", dtype="float32", max_model_len=64, kvcache_block_size=16, max_num_seqs=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

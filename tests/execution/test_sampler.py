@@ -9,7 +9,7 @@ compared with a chi-square statistic against its 99.99% quantile, with fixed tor
 import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.execution.sampler import Sampler, SamplingTensors
 
 # 99.99% quantiles of the chi-square distribution, by degrees of freedom
 CHI2_9999 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88}
@@ -26,13 +26,16 @@ def tensors(n, temperature=1.0, top_k=None, top_p=None, min_p=None, seeds=None, 
         return torch.tensor(v if isinstance(v, list) else [v] * n, dtype=dtype)
 
     temps = col(temperature, torch.float32)
+    if seeds is not None:  # as the step inputs send them: unseeded rows have step -1
+        steps = [-1 if s is None else t for s, t in zip(seeds, steps)]
+        seeds = [0 if s is None else s for s in seeds]
     return SamplingTensors(
         temps,
         top_ks=col(top_k, torch.int64),
         top_ps=col(top_p, torch.float32),
         min_ps=col(min_p, torch.float32),
-        seeds=seeds,
-        steps=steps,
+        seeds=col(seeds, torch.int64),
+        steps=col(steps, torch.int64),
         all_greedy=bool((temps == 0).all()),
     )
 

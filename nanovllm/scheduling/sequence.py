@@ -1,7 +1,6 @@
 """A request's state as it moves through the scheduler."""
 
 from enum import Enum, auto
-from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -16,42 +15,56 @@ class Sequence:
     """Token ids of one request plus the bookkeeping the scheduler and KV cache need.
 
     ``num_computed_tokens`` counts tokens whose KV is already in the cache (cache hits
-    included); the step in flight computes ``num_scheduled_tokens`` more.
+    included); the step in flight computes ``num_scheduled_tokens`` more. ``block_hashes``
+    holds the chained hash of each full block of ``token_ids``, computed once.
     """
 
     __slots__ = (
         "seq_id",
         "status",
         "token_ids",
-        "last_token",
-        "num_tokens",
         "num_prompt_tokens",
         "num_computed_tokens",
         "num_scheduled_tokens",
         "num_cached_tokens",
         "block_table",
-        "num_hashed_blocks",
+        "block_hashes",
+        "num_shared_blocks",
+        "row",
+        "num_blocks_sent",
         "params",
         "finish_reason",
     )
-    _ids = count()
 
-    def __init__(self, token_ids: list[int], params: SamplingParams) -> None:
-        self.seq_id = next(Sequence._ids)
+    def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams) -> None:
+        self.seq_id = seq_id
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
-        self.last_token = self.token_ids[-1]
-        self.num_tokens = self.num_prompt_tokens = len(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
-        self.num_hashed_blocks = 0
+        self.block_hashes: list[int] = []
+        self.num_shared_blocks = 0
+        """Leading blocks of ``block_table`` registered in the prefix cache."""
+        self.row = -1
+        """This sequence's row among the running ones, stable while it runs; -1 otherwise."""
+        self.num_blocks_sent = 0
+        """Entries of ``block_table`` that the executor has already been sent."""
         self.params = params
         self.finish_reason: str | None = None
 
     def __len__(self) -> int:
-        return self.num_tokens
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
 
     @property
     def is_finished(self) -> bool:
@@ -59,7 +72,7 @@ class Sequence:
 
     @property
     def num_completion_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def completion_token_ids(self) -> list[int]:
@@ -68,9 +81,4 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         """True while more than the last token still lacks KV (prompt chunks or recompute)."""
-        return self.num_computed_tokens < self.num_tokens - 1
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-        self.last_token = token_id
-        self.num_tokens += 1
+        return self.num_computed_tokens < len(self.token_ids) - 1

@@ -16,9 +16,10 @@ class SamplingTensors:
     top_ks: torch.Tensor | None = None
     top_ps: torch.Tensor | None = None
     min_ps: torch.Tensor | None = None
-    seeds: list[int | None] | None = None
-    """Rows with a seed draw their uniform from ``(seed, step)``, so they reproduce exactly."""
-    steps: list[int] | None = None
+    seeds: torch.Tensor | None = None
+    """int64; with ``steps``, rows whose step is >= 0 draw from ``(seed, step)`` alone, so they
+    reproduce exactly whatever else runs in the batch."""
+    steps: torch.Tensor | None = None
     all_greedy: bool = False
 
 
@@ -33,13 +34,8 @@ class Sampler(nn.Module):
             scaled = logits.float() / st.temperatures.clamp(min=1e-6).unsqueeze(1)
             logits = logits.float().masked_fill(self._removed(scaled, st), float("-inf"))
         uniforms = torch.rand(logits.shape[0], device=logits.device)
-        if st.seeds is not None:
-            for row, (seed, step) in enumerate(zip(st.seeds, st.steps)):
-                if seed is not None:
-                    gen = torch.Generator(logits.device).manual_seed((seed * 1_000_003 + step) % 2**63)
-                    uniforms[row] = torch.rand(1, generator=gen, device=logits.device)[0]
         sample = sample_tokens if logits.is_cuda else sample_tokens_ref
-        return sample(logits, st.temperatures, uniforms)
+        return sample(logits, st.temperatures, uniforms, st.seeds, st.steps)
 
     @staticmethod
     def _removed(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -2,9 +2,8 @@
 
 import pytest
 
-from nanovllm.engine.batch import StepBatch
-from nanovllm.engine.sequence import SequenceStatus
-from tests.scheduler_harness import DUMMY, Harness, cdiv, model
+from nanovllm.scheduling.sequence import SequenceStatus
+from tests.scheduling.harness import DUMMY, Harness, cdiv, model
 
 
 def test_max_num_seqs_not_multiple_of_16():
@@ -64,13 +63,14 @@ def test_step_batch_covers_exactly_the_chunk():
     s = h.add(prompt, max_tokens=2)
     seen = []
     while s.num_computed_tokens < len(prompt):
-        batch, is_prefill = h.sched.schedule()
-        sb = StepBatch.from_sequences(batch, is_prefill)
+        step = h.sched.schedule()
+        h.apply_batch(step)
+        sb = step.batch
         start = s.num_computed_tokens
         assert sb.start_positions == [start]
         assert sb.token_ids == [prompt[start : start + s.num_scheduled_tokens]]
         seen.extend(sb.token_ids[0])
-        h.sched.postprocess(batch, [DUMMY if start + s.num_scheduled_tokens < 14 else 5], is_prefill)
+        h.sched.postprocess(step, [DUMMY if start + s.num_scheduled_tokens < 14 else 5])
     assert seen == prompt  # every prompt token computed once, in order, keys end at the chunk
 
 
@@ -81,13 +81,13 @@ def test_chunk_ending_just_before_the_last_prompt_token():
     s = h.add(list(range(1, 18)), max_tokens=2)
     batch, is_prefill, _ = h.step()
     assert is_prefill and s.num_computed_tokens == 16 and len(s) == 17
-    batch, is_prefill = h.sched.schedule()
-    assert batch == [s] and s.num_scheduled_tokens == 1
-    sb = StepBatch.from_sequences(batch, is_prefill)
-    assert sb.start_positions == [16]
-    assert sb.token_ids == [[17]]
+    step = h.sched.schedule()
+    h.apply_batch(step)
+    assert step.seqs == [s] and s.num_scheduled_tokens == 1
+    assert step.batch.start_positions == [16]
+    assert step.batch.token_ids == [[17]]
     h.compute(s)
-    h.sched.postprocess(batch, [model(s.token_ids)], is_prefill)
+    h.sched.postprocess(step, [model(s.token_ids)])
     assert len(s.completion_token_ids) == 1
     h.run()
     h.check_done()
@@ -114,14 +114,14 @@ def test_decode_positions_are_zero_based_and_blocks_grow_at_boundaries():
     h.step()  # prefill 3 tokens, sample 1 -> len 4
     for _ in range(7):
         length = len(s)
-        batch, is_prefill = h.sched.schedule()
-        assert not is_prefill and batch == [s]
-        sb = StepBatch.from_sequences(batch, is_prefill)
-        assert sb.start_positions == [length - 1]  # positions are 0-based
-        assert sb.token_ids == [[s.token_ids[-1]]]
+        step = h.sched.schedule()
+        h.apply_batch(step)
+        assert not step.is_prefill and step.seqs == [s]
+        assert step.batch.start_positions == [length - 1]  # positions are 0-based
+        assert step.batch.token_ids == [[s.token_ids[-1]]]
         assert len(s.block_table) == cdiv(length, 4)
         h.compute(s)
-        h.sched.postprocess(batch, [model(s.token_ids)], is_prefill)
+        h.sched.postprocess(step, [model(s.token_ids)])
     h.run()
     h.check_done()
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.checkpoint import make_random_checkpoint
-from tests.test_logits import hf_logits, prefill_logits
+from tests.checkpoints import make_random_checkpoint
+from tests.end_to_end.test_logits import hf_logits, prefill_logits
 
 pytestmark = [
     pytest.mark.gpu,

@@ -4,9 +4,9 @@ Freed blocks stay cached until handed out again (least recently freed first); a 
 trusted only when the tokens and the whole prefix match, not the hash alone.
 """
 
-import nanovllm.engine.block_manager as bm_module
-from nanovllm.engine.block_manager import BlockManager, block_hash
-from tests.block_manager_helpers import BS, check_invariants, compute, computed_seq, make_seq
+import nanovllm.scheduling.block_manager as bm_module
+from nanovllm.scheduling.block_manager import BlockManager, block_hash
+from tests.scheduling.helpers import BS, check_invariants, compute, computed_seq, make_seq
 
 # ----------------------------------------------------------------------------- hashing
 
@@ -40,7 +40,7 @@ def test_same_block_after_different_prefixes_is_not_shared():
         bm.allocate(s)
         compute(bm, s)
     bx, by = bm.blocks[x.block_table[1]], bm.blocks[y.block_table[1]]
-    assert bx.token_ids == by.token_ids == tuple(common)
+    assert bx.token_ids == by.token_ids == common
     assert bx.hash != by.hash
     assert bx.hash == block_hash(common, bm.blocks[x.block_table[0]].hash)
     # a newcomer with y's prefix hits y's two blocks, never x's
@@ -68,8 +68,7 @@ def test_freed_blocks_are_hit_again():
     assert bm.num_free_blocks == 6
 
     b = make_seq(prompt + [1, 2])
-    assert bm.can_allocate(b)
-    bm.allocate(b)
+    assert bm.allocate(b)
     assert b.block_table[:2] == old[:2]
     assert b.num_cached_tokens == 8
     assert bm.num_free_blocks == 6 - 3
@@ -94,7 +93,7 @@ def test_reused_block_with_stale_hash_no_longer_matches():
     for h in hashes:
         assert h not in bm.hash_to_block, "a handed-out block's old hash must be dropped"
     assert all(bm.blocks[b].hash == -1 for b in other.block_table)
-    assert all(bm.blocks[b].token_ids == () for b in other.block_table)
+    assert all(bm.blocks[b].token_ids == [] for b in other.block_table)
 
     # other computes different KV into those blocks; a's prompt must not hit them
     compute(bm, other)

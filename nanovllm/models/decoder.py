@@ -1,4 +1,8 @@
-"""Qwen3 (and the Qwen2 / Llama layouts the same code serves), with Hugging Face names."""
+"""The Llama-style decoder that Qwen3, Qwen2 and Llama share, with Hugging Face parameter names.
+
+What differs between those architectures (q/k norms, attention biases) comes from the
+registry's :class:`~nanovllm.models.registry.Architecture`.
+"""
 
 import torch
 from torch import nn
@@ -12,45 +16,24 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.parallel import TPGroup
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.models.registry import Architecture, attention_dims, rope_settings
 
 
-def rope_theta(config: PretrainedConfig) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    scaling = getattr(config, "rope_scaling", None) or params
-    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise ValueError(
-            f"unsupported rope scaling {scaling!r}: only default rotary embeddings are implemented"
-        )
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-
-
-class Qwen3Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TPGroup, backend: AttentionBackend):
+class DecoderAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, arch: Architecture, tp: TPGroup, backend: AttentionBackend):
         super().__init__()
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.num_heads = config.num_attention_heads // tp.size
+        num_heads, num_kv_heads, self.head_dim = attention_dims(config)
+        self.num_heads = num_heads // tp.size
         self.num_kv_heads = num_kv_heads // tp.size
-        # Qwen2 has biases on q/k/v only; Qwen3 and Llama follow ``attention_bias``
-        is_qwen2 = config.model_type == "qwen2"
-        attention_bias = getattr(config, "attention_bias", False)
+        qkv_bias, o_bias = arch.attention_biases(config)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            num_kv_heads,
-            attention_bias or is_qwen2,
-            tp,
+            config.hidden_size, self.head_dim, num_heads, num_kv_heads, qkv_bias, tp
         )
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
-            attention_bias and not is_qwen2,
-            tp,
-        )
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config))
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, o_bias, tp)
+        theta, _ = rope_settings(config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend)
-        self.has_qk_norm = config.model_type == "qwen3"
+        self.has_qk_norm = arch.qk_norm
         if self.has_qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -68,7 +51,7 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(o.flatten(1, -1))
 
 
-class Qwen3MLP(nn.Module):
+class DecoderMLP(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TPGroup):
         super().__init__()
         size = config.intermediate_size
@@ -80,11 +63,11 @@ class Qwen3MLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TPGroup, backend: AttentionBackend):
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, arch: Architecture, tp: TPGroup, backend: AttentionBackend):
         super().__init__()
-        self.self_attn = Qwen3Attention(config, tp, backend)
-        self.mlp = Qwen3MLP(config, tp)
+        self.self_attn = DecoderAttention(config, arch, tp, backend)
+        self.mlp = DecoderMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -100,12 +83,12 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class Qwen3Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TPGroup, backend: AttentionBackend):
+class DecoderModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, arch: Architecture, tp: TPGroup, backend: AttentionBackend):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            [Qwen3DecoderLayer(config, tp, backend) for _ in range(config.num_hidden_layers)]
+            [DecoderLayer(config, arch, tp, backend) for _ in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -118,7 +101,7 @@ class Qwen3Model(nn.Module):
         return self.norm(x, residual)[0]
 
 
-class Qwen3ForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     """Hidden states from :meth:`forward`, logits (on rank 0) from :meth:`compute_logits`."""
 
     packed_modules_mapping = {
@@ -129,9 +112,9 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig, tp: TPGroup, backend: AttentionBackend):
+    def __init__(self, config: PretrainedConfig, arch: Architecture, tp: TPGroup, backend: AttentionBackend):
         super().__init__()
-        self.model = Qwen3Model(config, tp, backend)
+        self.model = DecoderModel(config, arch, tp, backend)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

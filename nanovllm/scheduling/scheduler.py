@@ -2,8 +2,9 @@
 
 from collections import deque
 
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.scheduling.block_manager import BlockManager
+from nanovllm.scheduling.sequence import Sequence, SequenceStatus
+from nanovllm.scheduling.step import ScheduledStep
 
 
 class Scheduler:
@@ -12,6 +13,8 @@ class Scheduler:
     A step is either a prefill step (new prompts, prompt chunks, recomputation after
     preemption) or a decode step (one token for every running sequence). Prefill goes
     first; a prompt larger than the remaining token budget is split over several steps.
+    Each running sequence holds one of ``max_num_seqs`` rows, under which the executor
+    keeps its per-sequence state (such as the block table) from step to step.
     """
 
     def __init__(
@@ -26,9 +29,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.eos_token_ids = set(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -37,15 +41,15 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick this step's sequences and set their ``num_scheduled_tokens``."""
+    def schedule(self) -> ScheduledStep:
+        """Pick this step's sequences, set their ``num_scheduled_tokens`` and plan the step."""
         scheduled = self._schedule_prefill()
         if scheduled:
-            return scheduled, True
+            return ScheduledStep.plan(scheduled, is_prefill=True)
         scheduled = self._schedule_decode()
         if not scheduled:
             raise RuntimeError("scheduler made no progress: no sequence fits the KV cache")
-        return scheduled, False
+        return ScheduledStep.plan(scheduled, is_prefill=False)
 
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
@@ -56,11 +60,11 @@ class Scheduler:
                 scheduled.append(seq)
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
+            if not self.block_manager.allocate(seq):
                 break
-            self.block_manager.allocate(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seq.row, seq.num_blocks_sent = self.free_rows.pop(), 0
             self.running.append(seq)
             budget -= self._take_chunk(seq, budget)
             scheduled.append(seq)
@@ -72,33 +76,33 @@ class Scheduler:
         return seq.num_scheduled_tokens
 
     def _schedule_decode(self) -> list[Sequence]:
+        """One token for each running sequence; when a block is short, the newest running
+        sequence is preempted (possibly the one asking)."""
         scheduled: list[Sequence] = []
-        while self.running:
-            seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    self._preempt(seq)
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            while not self.block_manager.append_slot(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
                     break
             else:
-                self.block_manager.append_slot(seq)
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
-        self.running.extend(scheduled)
+                i += 1
         return scheduled
 
-    def schedule_ahead(self, in_flight: list[Sequence]) -> list[Sequence] | None:
+    def schedule_ahead(self, in_flight: ScheduledStep) -> ScheduledStep | None:
         """Plan the decode step after ``in_flight`` (a decode step) before its tokens are known.
 
         Every running sequence that might not finish on the token in flight gets a slot for
-        the token after it; its input comes from the in-flight step's output (row index in
-        ``in_flight``). Returns None when the next step needs the scheduler's full decision:
-        prompts are waiting, a block is short, or nothing would continue.
+        the token after it. Returns None when the next step needs the scheduler's full
+        decision: prompts are waiting, a block is short, or nothing would continue.
         """
-        if self.waiting:
+        if self.waiting or in_flight.is_prefill:
             return None
-        in_flight_ids = {seq.seq_id for seq in in_flight}
+        in_flight_ids = {seq.seq_id for seq in in_flight.seqs}
         seqs = [seq for seq in self.running if not self._finishes_on_next_token(seq)]
         if not seqs or any(seq.seq_id not in in_flight_ids or seq.is_prefilling for seq in seqs):
             return None
@@ -107,41 +111,49 @@ class Scheduler:
             return None
         for seq in seqs:
             bm.append_slot(seq, lookahead=1)
-        return seqs
+        return ScheduledStep.plan_after(seqs, in_flight)
 
     def _finishes_on_next_token(self, seq: Sequence) -> bool:
         """True when the token in flight surely ends ``seq`` (by length, not by content)."""
-        return (
-            seq.num_completion_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
-        )
+        return seq.num_completion_tokens + 1 >= seq.params.max_tokens or len(seq) + 1 >= self.max_model_len
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        if seq.row >= 0:
+            self.free_rows.append(seq.row)
+            seq.row = -1
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks; it is recomputed (hitting its own cached blocks) later."""
         self.num_preemptions += 1
+        self.running.remove(seq)
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
-        self.block_manager.free(seq)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
+    def postprocess(self, step: ScheduledStep, token_ids: list[int]) -> list[Sequence]:
         """Record computed KV, append sampled tokens, finish sequences; returns the finished."""
         finished = []
-        for seq, token_id in zip(seqs, token_ids):
+        for seq, token_id in zip(step.seqs, token_ids):
             if seq.status == SequenceStatus.FINISHED:
                 continue  # it ended on the previous step's token; this one was planned ahead
             # a decode step computes one token, also when planned ahead of the step before it
-            seq.num_computed_tokens += seq.num_scheduled_tokens if is_prefill else 1
+            seq.num_computed_tokens += seq.num_scheduled_tokens if step.is_prefill else 1
             seq.num_scheduled_tokens = 0
             self.block_manager.commit_computed(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
+            if seq.num_computed_tokens < len(seq):
                 continue  # a prompt chunk: no token is sampled yet
-            seq.append_token(token_id)
+            seq.token_ids.append(token_id)
             reason = self._finish_reason(seq, token_id)
             if reason:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-                self.block_manager.free(seq)
-                self.running.remove(seq)
+                self._finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self.running.remove(seq)
+        self._release(seq)
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.params
@@ -149,9 +161,17 @@ class Scheduler:
             return "stop"
         if token_id in params.stop_token_ids:
             return "stop"
-        if (
-            seq.num_tokens - seq.num_prompt_tokens >= params.max_tokens
-            or seq.num_tokens >= self.max_model_len
-        ):
+        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None
+
+    def abort_all(self) -> list[Sequence]:
+        """End every waiting and running sequence ("abort"), freeing their blocks and rows."""
+        aborted = [*self.running, *self.waiting]
+        for seq in aborted:
+            self._release(seq)
+            seq.num_scheduled_tokens = 0
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self.running.clear()
+        self.waiting.clear()
+        return aborted

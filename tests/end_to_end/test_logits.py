@@ -3,22 +3,22 @@
 import torch
 
 from nanovllm import LLM
-from nanovllm.engine.batch import StepBatch
-from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.scheduling import ScheduledStep, Sequence
 
 
 def prefill_logits(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, int]:
     """Logits of the uncached prompt positions (and where they start), via the paged prefill."""
-    seq = Sequence(prompt, SamplingParams(temperature=0))
+    seq = Sequence(-1, prompt, SamplingParams(temperature=0))
     manager = llm.scheduler.block_manager
-    manager.allocate(seq)
+    assert manager.allocate(seq)
     try:
         start = seq.num_computed_tokens
         seq.num_scheduled_tokens = len(prompt) - start
+        seq.row = 0  # the engine is idle: every row is free
         runner = llm.executor.runner
         with torch.inference_mode():
-            inputs = runner.inputs.build(StepBatch.from_sequences([seq], True), with_sampling=False)
+            inputs = runner.inputs.build(ScheduledStep.plan([seq], True).batch, with_sampling=False)
             hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
             logits = runner.model.compute_logits(hidden)
         return logits.float().cpu(), start

@@ -1,14 +1,17 @@
 """Helpers for the BlockManager tests: sequences, fake KV computation, invariants."""
 
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence
+from itertools import count
+
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.scheduling.block_manager import BlockManager
+from nanovllm.scheduling.sequence import Sequence
 
 BS = 4
+_seq_ids = count()
 
 
 def make_seq(tokens) -> Sequence:
-    return Sequence(list(tokens), SamplingParams(max_tokens=8))
+    return Sequence(next(_seq_ids), list(tokens), SamplingParams(max_tokens=8))
 
 
 def computed_seq(bm: BlockManager, tokens) -> Sequence:

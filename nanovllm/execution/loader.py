@@ -1,4 +1,5 @@
-"""Load Hugging Face safetensors into a model through per-parameter ``weight_loader``s."""
+"""Build the model for a config and load Hugging Face safetensors into it through
+per-parameter ``weight_loader``s."""
 
 import os
 from glob import glob
@@ -6,6 +7,29 @@ from glob import glob
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from nanovllm.attention import get_attention_backend
+from nanovllm.config import Config
+from nanovllm.layers.parallel import TPGroup
+
+
+def build_model(config: Config, tp: TPGroup, device: torch.device) -> nn.Module:
+    """The registry's model class for ``config``, on ``device`` in the config's dtype, with
+    the checkpoint's weights (or random ones for ``load_format="dummy"``)."""
+    model_cls = config.architecture.load_model_class()
+    backend = get_attention_backend(config.attention_backend)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(config.torch_dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(config.hf_config, config.architecture, tp, backend)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        load_model(model, config.model)
+    return model
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

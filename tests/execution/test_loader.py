@@ -7,18 +7,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanovllm.attention.torch_backend import TorchBackend
 from nanovllm.config import Config
+from nanovllm.execution.loader import build_model, init_dummy_weights
 from nanovllm.layers.parallel import TPGroup
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
-from nanovllm.utils.loader import init_dummy_weights, load_model
 
 
-def build(model_dir: str, tp: TPGroup = TPGroup()) -> Qwen3ForCausalLM:
-    config = Config(model_dir, device="cpu")
-    model = Qwen3ForCausalLM(config.hf_config, tp, TorchBackend())
-    load_model(model, model_dir)
-    return model
+def build(model_dir: str, tp: TPGroup = TPGroup(), **options) -> torch.nn.Module:
+    config = Config(model_dir, device="cpu", tensor_parallel_size=tp.size, **options)
+    return build_model(config, tp, torch.device("cpu"))
 
 
 def test_packed_modules_hold_the_checkpoint_tensors(qwen3_dir):
@@ -74,8 +70,7 @@ def test_missing_tensor_is_reported(qwen3_dir, tmp_path):
 
 
 def test_dummy_weights_fill_every_parameter(qwen3_dir):
-    config = Config(qwen3_dir, device="cpu")
-    model = Qwen3ForCausalLM(config.hf_config, TPGroup(), TorchBackend())
+    model = build(qwen3_dir, load_format="dummy")
     for param in model.parameters():
         param.data.fill_(float("nan"))
     init_dummy_weights(model)

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from nanovllm.engine.block_manager import BlockManager, block_hash
-from nanovllm.engine.sequence import Sequence
-from tests.block_manager_helpers import BS, check_invariants, compute, computed_seq, make_seq
+from nanovllm.scheduling.block_manager import BlockManager, block_hash
+from nanovllm.scheduling.sequence import Sequence
+from tests.scheduling.helpers import BS, check_invariants, compute, computed_seq, make_seq
 
 # ------------------------------------------------------------------ sharing / ref counts
 
@@ -22,7 +22,7 @@ def test_shared_prefix_reference_counts():
     bm.allocate(a)
     assert a.num_computed_tokens == 0 and len(a.block_table) == 3
     compute(bm, a)
-    assert a.num_hashed_blocks == 2
+    assert a.num_shared_blocks == 2
     assert bm.num_free_blocks == 7
 
     b = make_seq(prompt[:8] + [7, 7, 7])  # same two full blocks, different tail
@@ -30,7 +30,7 @@ def test_shared_prefix_reference_counts():
     assert b.block_table[:2] == a.block_table[:2]
     assert b.block_table[2] != a.block_table[2]
     assert b.num_cached_tokens == b.num_computed_tokens == 8
-    assert b.num_hashed_blocks == 2
+    assert b.num_shared_blocks == 2
     for blk in a.block_table[:2]:
         assert bm.blocks[blk].ref_count == 2
     assert bm.blocks[a.block_table[2]].ref_count == 1
@@ -66,7 +66,7 @@ def test_blocks_are_hashed_only_after_their_kv_is_computed():
 
     # partial progress (a prompt chunk): only blocks full of computed KV become shareable
     compute(bm, a, upto=6)
-    assert a.num_hashed_blocks == 1
+    assert a.num_shared_blocks == 1
     assert bm.blocks[a.block_table[0]].hash != -1
     assert bm.blocks[a.block_table[1]].hash == -1
     c = make_seq(prompt)
@@ -74,7 +74,7 @@ def test_blocks_are_hashed_only_after_their_kv_is_computed():
     assert c.num_computed_tokens == BS and c.block_table[0] == a.block_table[0]
 
     compute(bm, a, upto=13)
-    assert a.num_hashed_blocks == 3
+    assert a.num_shared_blocks == 3
     d = make_seq(prompt)
     bm.allocate(d)
     assert d.num_computed_tokens == 12
@@ -89,9 +89,9 @@ def test_commit_is_incremental_and_idempotent():
     compute(bm, a, upto=4)
     h0 = bm.blocks[a.block_table[0]].hash
     compute(bm, a, upto=4)  # nothing new
-    assert a.num_hashed_blocks == 1 and bm.blocks[a.block_table[0]].hash == h0
+    assert a.num_shared_blocks == 1 and bm.blocks[a.block_table[0]].hash == h0
     compute(bm, a, upto=8)
-    assert a.num_hashed_blocks == 2
+    assert a.num_shared_blocks == 2
     assert bm.blocks[a.block_table[0]].hash == h0
     assert bm.blocks[a.block_table[1]].hash == block_hash([5, 6, 7, 8], h0)
     assert h0 == block_hash([1, 2, 3, 4], -1)
@@ -106,7 +106,7 @@ def test_full_prefix_hit_still_leaves_the_last_token(block_size):
     bm = BlockManager(64, block_size)
     prompt = list(range(1, 2 * block_size + 1))  # exactly two full blocks
     a = computed_seq(bm, prompt)
-    assert a.num_hashed_blocks == 2
+    assert a.num_shared_blocks == 2
     b = make_seq(prompt)  # everything is cached
     bm.allocate(b)
     assert b.num_computed_tokens < len(b)
@@ -126,47 +126,51 @@ def test_single_token_prompt_never_hits():
     assert b.num_computed_tokens == 0
 
 
-def test_can_allocate_counts_free_cached_blocks_once():
+def assert_refused(bm: BlockManager, seq: Sequence) -> None:
+    """``allocate`` says no and changes nothing."""
+    free, hashes = list(bm.free_block_ids), dict(bm.hash_to_block)
+    counts = [b.ref_count for b in bm.blocks]
+    assert not bm.allocate(seq)
+    assert seq.block_table == [] and seq.num_computed_tokens == 0
+    assert list(bm.free_block_ids) == free and bm.hash_to_block == hashes
+    assert [b.ref_count for b in bm.blocks] == counts
+
+
+def test_allocate_counts_free_cached_blocks_once():
     bm = BlockManager(3, BS)
     prompt = list(range(1, 10))  # 3 blocks, 2 of them full
     a = make_seq(prompt)
-    assert bm.can_allocate(a)
-    bm.allocate(a)
+    assert bm.allocate(a)
     compute(bm, a)
     bm.free(a)  # 3 free blocks, two of them cached
 
     # 4 blocks needed: 2 cached-and-free hits + 2 new = 4 > 3 free
-    too_big = make_seq(prompt[:8] + [0] * 5)
-    assert not bm.can_allocate(too_big)
+    assert_refused(bm, make_seq(prompt[:8] + [0] * 5))
     # 3 blocks needed: 2 hits + 1 new fits in 3 free blocks
     fits = make_seq(prompt[:8] + [0])
-    assert bm.can_allocate(fits)
-    bm.allocate(fits)
+    assert bm.allocate(fits)
     assert fits.num_computed_tokens == 8 and bm.num_free_blocks == 0
     check_invariants(bm, [fits])
 
 
-def test_can_allocate_hits_on_held_blocks_need_no_free_block():
+def test_allocate_hits_on_held_blocks_need_no_free_block():
     bm = BlockManager(4, BS)
     prompt = list(range(1, 10))
     a = make_seq(prompt)
     bm.allocate(a)  # blocks 0..2, one free
     compute(bm, a)
     assert bm.num_free_blocks == 1
+    assert_refused(bm, make_seq(prompt[:8] + [3] * 5))  # 4 blocks: 2 shared + 2 new > 1 free
+    assert_refused(bm, make_seq([0] * 9))  # 3 new blocks > 1 free
     b = make_seq(prompt[:8] + [3])  # 3 blocks: 2 shared with the running a + 1 new
-    assert bm.can_allocate(b)
-    c = make_seq(prompt[:8] + [3] * 5)  # 4 blocks: 2 shared + 2 new > 1 free
-    assert not bm.can_allocate(c)
-    no_hit = make_seq([0] * 9)  # 3 new blocks > 1 free
-    assert not bm.can_allocate(no_hit)
-    bm.allocate(b)
+    assert bm.allocate(b)
     assert bm.num_free_blocks == 0
     check_invariants(bm, [a, b])
 
 
-def test_can_allocate_agrees_with_allocate_randomized():
-    """Whenever can_allocate says yes, allocate succeeds; when it says no, the blocks needed
-    beyond the held hits really exceed the free blocks."""
+def test_allocate_succeeds_exactly_when_the_blocks_fit_randomized():
+    """allocate succeeds exactly when the blocks needed beyond the held hits fit in the
+    free blocks, and changes nothing when it does not."""
     rng = random.Random(1)
     bm = BlockManager(12, BS)
     prefixes = [[rng.randrange(50) for _ in range(8)] for _ in range(3)]
@@ -179,13 +183,13 @@ def test_can_allocate_agrees_with_allocate_randomized():
                 rng.randrange(50) for _ in range(rng.randrange(1, 10))
             ]
             s = make_seq(tokens)
-            ok = bm.can_allocate(s)
             needed = bm.num_blocks_needed(len(s))
             hits = bm._cached_prefix(s)
             extra = needed - sum(1 for b in hits if bm.blocks[b].ref_count > 0)
-            assert ok == (extra <= bm.num_free_blocks)
-            if ok:
-                bm.allocate(s)
+            if extra > bm.num_free_blocks:
+                assert_refused(bm, s)
+            else:
+                assert bm.allocate(s)
                 assert len(s.block_table) == needed
                 compute(bm, s, upto=rng.randrange(s.num_computed_tokens, len(s) + 1))
                 live.append(s)
@@ -230,11 +234,10 @@ def test_decode_needs_ceil_len_over_block_size_blocks(block_size):
     for length in range(2, 5 * block_size + 2):
         s.num_computed_tokens = len(s)
         bm.commit_computed(s)
-        s.append_token(length)
+        s.token_ids.append(length)
         assert len(s) == length
         had = len(s.block_table)
-        assert bm.can_append(s)
-        bm.append_slot(s)
+        assert bm.append_slot(s)
         expected = -(-length // block_size)
         assert len(s.block_table) == expected, (length, block_size)
         # a new block exactly when position L-1 starts one
@@ -243,7 +246,7 @@ def test_decode_needs_ceil_len_over_block_size_blocks(block_size):
     check_invariants(bm, [s])
 
 
-def test_can_append_at_block_boundary_with_no_free_block():
+def test_append_slot_at_block_boundary_with_no_free_block():
     bm = BlockManager(2, BS)
     s = make_seq([1, 2, 3])
     other = make_seq([9])
@@ -251,16 +254,15 @@ def test_can_append_at_block_boundary_with_no_free_block():
     bm.allocate(other)
     assert bm.num_free_blocks == 0
     compute(bm, s)
-    s.append_token(4)  # len 4: position 3 is still in block 0
-    assert bm.can_append(s)
-    bm.append_slot(s)
+    s.token_ids.append(4)  # len 4: position 3 is still in block 0
+    assert bm.append_slot(s)
     assert len(s.block_table) == 1
     compute(bm, s)
-    s.append_token(5)  # len 5: position 4 needs block 1, none is free
-    assert not bm.can_append(s)
+    s.token_ids.append(5)  # len 5: position 4 needs block 1, none is free
+    assert not bm.append_slot(s)
+    assert len(s.block_table) == 1
     bm.free(other)
-    assert bm.can_append(s)
-    bm.append_slot(s)
+    assert bm.append_slot(s)
     assert len(s.block_table) == 2 and bm.num_free_blocks == 0
     check_invariants(bm, [s])
 
@@ -274,10 +276,10 @@ def test_append_slot_reuses_a_cached_free_block_and_drops_its_hash():
     bm.allocate(s)
     assert s.block_table == [1]
     compute(bm, s)
-    s.append_token(7)
+    s.token_ids.append(7)
     s.num_computed_tokens = 4
     bm.commit_computed(s)
-    s.append_token(8)
+    s.token_ids.append(8)
     bm.append_slot(s)
     assert s.block_table == [1, 0]
     assert h not in bm.hash_to_block and bm.blocks[0].hash == -1
@@ -292,7 +294,7 @@ def test_free_resets_sequence_state():
     bm.allocate(b)
     assert b.num_cached_tokens == 8
     bm.free(b)
-    assert b.block_table == [] and b.num_hashed_blocks == 0
+    assert b.block_table == [] and b.num_shared_blocks == 0
     assert b.num_computed_tokens == 0
     # it can be allocated again (preemption then readmission) and hits the same blocks
     bm.allocate(b)

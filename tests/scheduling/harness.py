@@ -4,16 +4,19 @@ The fake model's next token is a fixed function of the whole context, so the exp
 completion of every request is known without the scheduler; a fake KV cache records, for
 every slot, a fingerprint of the context its KV was computed from, and every step checks
 that a sequence only ever reads KV of its own prefix (prefix hits, preemption and chunking
-included) and only writes into blocks nobody else holds.
+included) and only writes into blocks nobody else holds. A fake executor keeps each row's
+block table from the steps' deltas alone and checks it against the sequences' tables.
 """
 
 import contextlib
 import signal
+from collections import deque
 
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.scheduling.block_manager import BlockManager
+from nanovllm.scheduling.scheduler import Scheduler
+from nanovllm.scheduling.sequence import Sequence, SequenceStatus
+from nanovllm.scheduling.step import ScheduledStep
 
 VOCAB = 1000
 DUMMY = -12345  # what the "model" returns for a prompt chunk; must never be appended
@@ -89,9 +92,10 @@ class Harness:
         self.prefix_hit_tokens = 0
         self.preempted_ids: set[int] = set()
         self.readmitted_with_hit = 0
+        self.row_tables: dict[int, list[int]] = {}  # the fake executor's block tables, by row
 
     def add(self, tokens, **params) -> Sequence:
-        seq = Sequence(list(tokens), SamplingParams(**params))
+        seq = Sequence(len(self.seqs), list(tokens), SamplingParams(**params))
         self.sched.add(seq)
         self.seqs.append(seq)
         return seq
@@ -100,7 +104,8 @@ class Harness:
         """One engine step; ``tokens_for(seq)`` overrides the fake model's token."""
         waiting_before = {s.seq_id for s in self.sched.waiting}
         running_before = {s.seq_id for s in self.sched.running}
-        seqs, is_prefill = self.sched.schedule()
+        step = self.sched.schedule()
+        seqs, is_prefill = step.seqs, step.is_prefill
         self.num_steps += 1
         for s in self.seqs:
             if s.seq_id in running_before and s.status == SequenceStatus.WAITING:
@@ -111,10 +116,11 @@ class Harness:
                 if s.seq_id in self.preempted_ids and s.num_cached_tokens:
                     self.readmitted_with_hit += 1
         self.check(seqs, is_prefill)
+        self.apply_batch(step)
         tokens = [self.compute(s) for s in seqs]
         if tokens_for is not None:
             tokens = [tokens_for(s) if t != DUMMY else t for s, t in zip(seqs, tokens)]
-        finished = self.sched.postprocess(seqs, tokens, is_prefill)
+        finished = self.sched.postprocess(step, tokens)
         self.finished.extend(finished)
         for s in seqs:
             assert s.num_scheduled_tokens == 0
@@ -127,10 +133,62 @@ class Harness:
                 assert self.num_steps < max_steps, "the scheduler does not terminate"
                 self.step()
 
+    def run_async(self, max_steps: int = 20_000) -> int:
+        """Run as the engine does with async scheduling: while a decode step is in flight,
+        the next is planned ahead of its tokens. Returns how many steps were planned ahead."""
+        in_flight: deque[ScheduledStep] = deque()
+        ahead = 0
+        with deadline(30):
+            while in_flight or not self.sched.is_finished():
+                assert self.num_steps < max_steps, "the scheduler does not terminate"
+                if not in_flight:
+                    step = self.sched.schedule()
+                    self.check(step.seqs, step.is_prefill)
+                    self.apply_batch(step)
+                    in_flight.append(step)
+                if len(in_flight) == 1:
+                    planned = self.sched.schedule_ahead(in_flight[0])
+                    if planned is not None:
+                        assert planned.batch.previous_sample_rows is not None
+                        assert all(not t for t in planned.batch.token_ids)
+                        self.apply_batch(planned)
+                        in_flight.append(planned)
+                        ahead += 1
+                step = in_flight.popleft()
+                self.num_steps += 1
+                if step.is_prefill:
+                    tokens = [self.compute(s) for s in step.seqs]
+                else:  # the planned-ahead input token is known now: the step before appended it
+                    tokens = [
+                        DUMMY if s.is_finished else self.compute(s, start, 1)
+                        for s, start in zip(step.seqs, step.batch.start_positions)
+                    ]
+                self.finished.extend(self.sched.postprocess(step, tokens))
+                self.check_blocks()
+        return ahead
+
+    # ------------------------------------------------------------------ fake executor
+
+    def apply_batch(self, step: ScheduledStep) -> None:
+        """Keep each row's block table from the deltas the batch carries, as the executor does."""
+        b = step.batch
+        assert len(set(b.rows)) == len(b.rows), "two batch rows share an executor row"
+        running_rows = [s.row for s in self.sched.running]
+        assert len(set(running_rows)) == len(running_rows), "two running sequences share a row"
+        for seq, row, start, new in zip(step.seqs, b.rows, b.block_table_starts, b.new_block_ids):
+            assert 0 <= row < self.sched.max_num_seqs and seq.row == row
+            table = self.row_tables.setdefault(row, [])
+            assert start == 0 or len(table) == start, "a delta that does not continue its row"
+            self.row_tables[row] = table[:start] + new
+            assert self.row_tables[row] == seq.block_table, f"row {row} drifted from seq {seq.seq_id}"
+
     # ---------------------------------------------------------------- fake execution
 
-    def compute(self, seq: Sequence) -> int:
-        start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+    def compute(self, seq: Sequence, start: int | None = None, n: int | None = None) -> int:
+        """Fake KV for ``n`` tokens from ``start`` (default: the scheduled chunk), checking what
+        is read; returns the next token, or DUMMY for a chunk that ends inside the prompt."""
+        if start is None:
+            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
         fps = fingerprints(seq.token_ids)
         for p in range(start):  # attention reads every earlier position
             blk = seq.block_table[p // self.bs]
@@ -191,7 +249,7 @@ class Harness:
                 assert block.hash != -1 and len(block.token_ids) == self.bs
                 assert len({i for _, i in holders}) == 1, "shared block at different positions"
                 for s, i in holders:
-                    assert tuple(s.token_ids[i * self.bs : (i + 1) * self.bs]) == block.token_ids
+                    assert s.token_ids[i * self.bs : (i + 1) * self.bs] == block.token_ids
                     assert (i + 1) * self.bs <= s.num_computed_tokens + s.num_scheduled_tokens
 
     def check_done(self, max_model_len: int | None = None) -> None:

@@ -1,0 +1,31 @@
+"""What the engine asks of whatever runs the model: the whole orchestration/execution boundary."""
+
+from typing import Protocol
+
+from nanovllm.scheduling import StepBatch
+
+
+class SampledTokens(Protocol):
+    """A launched step's sampled token ids, one per batch row."""
+
+    def tolist(self) -> list[int]:
+        """Wait for the step and return its tokens."""
+        ...
+
+
+class Executor(Protocol):
+    """Runs steps on the model; built by the caller and handed to the engine."""
+
+    num_kvcache_blocks: int
+    """KV blocks the cache holds: the block manager hands out exactly these."""
+    supports_async_scheduling: bool
+    """Whether a step may take its input tokens from the previous step's samples
+    (``StepBatch.previous_sample_rows``) before they are read back."""
+
+    def launch(self, batch: StepBatch) -> SampledTokens:
+        """Start one step; steps run in launch order."""
+        ...
+
+    def close(self) -> None:
+        """Stop workers and free device memory. Idempotent."""
+        ...

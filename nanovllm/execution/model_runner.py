@@ -1,0 +1,167 @@
+"""Runs the model for a :class:`StepBatch` on one tensor-parallel rank."""
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.execution.compile import compile_elementwise_ops
+from nanovllm.execution.cuda_graph import DecodeGraphs
+from nanovllm.execution.kv_cache import KVCache
+from nanovllm.execution.loader import build_model
+from nanovllm.execution.sampler import Sampler
+from nanovllm.execution.step_inputs import StepInputBuilder
+from nanovllm.layers.parallel import TPGroup
+from nanovllm.scheduling import StepBatch
+
+
+class SampledTokens:
+    """A step's sampled token ids, copied to the host without blocking the launch."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.event = None
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tokens
+
+    def tolist(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+def rank_device(config: Config, rank: int) -> torch.device:
+    if config.device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", int(config.device.removeprefix("cuda:")) + rank)
+
+
+def dummy_batch(lens: list[int], block_size: int, prefix: int = 0, is_prefill: bool = True) -> StepBatch:
+    """Rows 0.. computing ``lens`` zero tokens after ``prefix`` cached ones, every block id 0."""
+    n = len(lens)
+    return StepBatch(
+        is_prefill=is_prefill,
+        rows=list(range(n)),
+        token_ids=[[0] * length for length in lens],
+        start_positions=[prefix] * n,
+        block_table_starts=[0] * n,
+        new_block_ids=[[0] * -(-(prefix + length) // block_size) for length in lens],
+        temperatures=[1.0] * n,
+        top_ks=[-1] * n,
+        top_ps=[1.0] * n,
+        min_ps=[0.0] * n,
+        seeds=[None] * n,
+        steps=[0] * n,
+    )
+
+
+class ModelRunner:
+    """The model, its KV cache, step inputs, sampler and decode graphs of one rank.
+
+    Rank 0 returns sampled token ids; other ranks return None.
+    """
+
+    def __init__(self, config: Config, rank: int, dist_init_method: str | None = None):
+        self.config = config
+        self.device = rank_device(config, rank)
+        self.tp = TPGroup(rank, config.tensor_parallel_size)
+        if self.tp.size > 1:
+            # a generous timeout turns a dead peer into an error instead of a hang
+            dist.init_process_group(
+                "nccl" if self.device.type == "cuda" else "gloo",
+                init_method=dist_init_method,
+                world_size=self.tp.size,
+                rank=rank,
+                timeout=timedelta(minutes=5),
+            )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model = build_model(config, self.tp, self.device)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            compile_elementwise_ops(self.model)
+        self.sampler = Sampler()
+        self.inputs = StepInputBuilder(config, self.device)
+        self.last_sampled: torch.Tensor | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.kv_cache: KVCache | None = None
+        num_blocks = KVCache.num_blocks_to_allocate(config, self.device, self.tp, self._profile_peak_bytes)
+        self.kv_cache = KVCache(self.model, num_blocks, config, self.device)
+        if self.device.type == "cuda":
+            self._warm_up()
+            if not config.enforce_eager and self.kv_cache.layers[0].backend.supports_cuda_graphs:
+                self.graphs = self._capture_decode_graphs()
+
+    @property
+    def num_kvcache_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    # --- start-up --------------------------------------------------------------------------
+    def _profile_peak_bytes(self) -> int:
+        """Peak memory of a prefill at the full token budget, run against a one-block cache."""
+        placeholder = KVCache(self.model, 1, self.config, self.device)
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            budget, max_len = self.config.max_num_batched_tokens, self.config.max_model_len
+            lens = [max_len] * (budget // max_len) + ([budget % max_len] if budget % max_len else [])
+            self.run(dummy_batch(lens[: self.config.max_num_seqs], self.config.kvcache_block_size))
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated(self.device)
+        finally:
+            placeholder.release()
+
+    def _warm_up(self) -> None:
+        """Compile, before the first request waits for it, what prefill steps run: the
+        kernels with and without a cached prefix, and the sampler."""
+        n = max(1, min(16, self.config.max_model_len // 2))
+        for prefix in (0, n):
+            self.run(dummy_batch([n, n], self.config.kvcache_block_size, prefix))
+        torch.cuda.synchronize()
+
+    def _capture_decode_graphs(self) -> DecodeGraphs:
+        n = self.config.max_num_seqs
+        example = dummy_batch([1] * n, self.config.kvcache_block_size, is_prefill=False)
+        inputs = self.inputs.build(example, with_sampling=False)
+        return DecodeGraphs(self.model, inputs.input_ids, inputs.positions, inputs.meta, n)
+
+    # --- one step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch) -> SampledTokens | None:
+        """Enqueue one step on the device; rank 0 gets a handle on the sampled tokens."""
+        inputs = self.inputs.build(batch, with_sampling=self.tp.rank == 0)
+        input_ids = self.last_sampled[inputs.input_ids] if inputs.from_previous else inputs.input_ids
+        if not batch.is_prefill and self.graphs is not None:
+            hidden = self.graphs.replay(input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(input_ids, inputs.positions, inputs.meta)
+            if batch.is_prefill:
+                hidden = hidden[inputs.last_token_index]
+        logits = self.model.compute_logits(hidden)
+        if self.tp.rank != 0:
+            return None
+        self.last_sampled = self.sampler(logits, inputs.sampling)
+        return SampledTokens(self.last_sampled)
+
+    def run(self, batch: StepBatch) -> list[int] | None:
+        """One step, waiting for its tokens (rank 0) — what TP workers and tools call."""
+        handle = self.launch(batch)
+        return handle.tolist() if handle is not None else None
+
+    def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        if self.kv_cache is not None:
+            self.kv_cache.release()
+            self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        if self.tp.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

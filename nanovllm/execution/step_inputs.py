@@ -1,0 +1,152 @@
+"""A :class:`StepBatch` as device tensors: model inputs, attention metadata, sampling."""
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from nanovllm.attention import AttentionMetadata
+from nanovllm.config import Config
+from nanovllm.execution.block_tables import BlockTables
+from nanovllm.execution.sampler import SamplingTensors
+from nanovllm.scheduling import StepBatch
+
+_TORCH_DTYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+}
+_U64, _I64_SPAN = 2**64 - 1, 2**64
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    """Token ids; with ``from_previous``, rows of the previous step's sampled tokens."""
+    from_previous: bool
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sampling: SamplingTensors | None
+    last_token_index: torch.Tensor | None
+    """Prefill: where each row's last token is, whose hidden state gives its logits."""
+
+
+class StepInputBuilder:
+    """Builds a step's tensors on the host and moves them to the device in two transfers."""
+
+    def __init__(self, config: Config, device: torch.device):
+        self.device = device
+        self.block_size = config.kvcache_block_size
+        self.block_tables = BlockTables(config.max_num_seqs, config.max_blocks_per_seq, device)
+
+    def _upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Copy many small host arrays with one transfer per element size; returns device views.
+
+        Each view starts 16-byte aligned: Triton specialises kernels on pointer alignment, so
+        views at varying alignments would compile a kernel again mid-run.
+        """
+        out = {}
+        for carrier in (np.dtype(np.int64), np.dtype(np.int32)):
+            group = {name: a for name, a in arrays.items() if a.dtype.itemsize == carrier.itemsize}
+            unit = 16 // carrier.itemsize
+            starts, total = {}, 0
+            for name, a in group.items():
+                starts[name] = total
+                total += -(-a.size // unit) * unit
+            flat = np.zeros(total, dtype=carrier)
+            for name, a in group.items():
+                flat[starts[name] : starts[name] + a.size] = a.reshape(-1).view(carrier)
+            flat = torch.from_numpy(flat)
+            if self.device.type == "cuda":
+                flat = flat.pin_memory().to(self.device, non_blocking=True)
+            for name, a in group.items():
+                view = flat[starts[name] : starts[name] + a.size].view(a.shape)
+                out[name] = view.view(_TORCH_DTYPES[a.dtype])
+        return out
+
+    def build(self, batch: StepBatch, with_sampling: bool = True) -> StepInputs:
+        bs, n = self.block_size, len(batch)
+        from_previous = batch.previous_sample_rows is not None
+        rows = np.asarray(batch.rows, dtype=np.int64)
+        changed = self.block_tables.update(batch)
+        starts = np.asarray(batch.start_positions, dtype=np.int64)
+        if batch.is_prefill:
+            q_lens = np.fromiter(map(len, batch.token_ids), dtype=np.int64, count=n)
+            row_of_token = np.repeat(np.arange(n), q_lens)
+            cu_q = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(q_lens, out=cu_q[1:])
+            positions = np.arange(cu_q[-1]) - cu_q[:-1][row_of_token] + starts[row_of_token]
+        else:
+            q_lens, row_of_token, positions = np.ones(n, dtype=np.int64), np.arange(n), starts
+        context_lens = starts + q_lens
+        slots = (
+            self.block_tables.host[rows[row_of_token], positions // bs].astype(np.int64) * bs + positions % bs
+        )
+        if from_previous:
+            input_ids = np.asarray(batch.previous_sample_rows, dtype=np.int64)
+        else:
+            input_ids = np.fromiter(chain.from_iterable(batch.token_ids), dtype=np.int64, count=len(slots))
+        arrays = {
+            "input_ids": input_ids,
+            "positions": positions,
+            "slots": slots,
+            "rows": rows,
+            "context_lens": context_lens.astype(np.int32),
+        }
+        if changed.size:
+            arrays["changed_rows"] = changed
+            arrays["changed_tables"] = self.block_tables.host[changed]
+        if batch.is_prefill:
+            cu_k = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(context_lens, out=cu_k[1:])
+            arrays.update(cu_q=cu_q.astype(np.int32), cu_k=cu_k, last_token_index=cu_q[1:] - 1)
+        if with_sampling:
+            arrays.update(self._sampling_arrays(batch))
+        dev = self._upload(arrays)
+        if changed.size:
+            self.block_tables.write_rows(dev["changed_rows"], dev["changed_tables"])
+        meta = AttentionMetadata(
+            is_prefill=batch.is_prefill,
+            slot_mapping=dev["slots"],
+            context_lens=dev["context_lens"],
+            block_tables=self.block_tables.gather(dev["rows"]),
+            cu_seqlens_q=dev.get("cu_q"),
+            cu_seqlens_k=dev.get("cu_k"),
+            max_seqlen_q=int(q_lens.max()),
+            max_seqlen_k=int(context_lens.max()),
+            has_prefix=bool(starts.any()),
+        )
+        sampling = None
+        if with_sampling:
+            sampling = SamplingTensors(
+                dev["temperatures"],
+                top_ks=dev.get("top_ks"),
+                top_ps=dev.get("top_ps"),
+                min_ps=dev.get("min_ps"),
+                seeds=dev.get("seeds"),
+                steps=dev.get("steps"),
+                all_greedy=not any(batch.temperatures),
+            )
+        return StepInputs(
+            dev["input_ids"], from_previous, dev["positions"], meta, sampling, dev.get("last_token_index")
+        )
+
+    @staticmethod
+    def _sampling_arrays(batch: StepBatch) -> dict[str, np.ndarray]:
+        """Per-row sampling values; a filter nobody in the batch uses is left out."""
+        arrays = {"temperatures": np.asarray(batch.temperatures, dtype=np.float32)}
+        if any(k > 0 for k in batch.top_ks):
+            arrays["top_ks"] = np.asarray(batch.top_ks, dtype=np.int64)
+        if any(p < 1 for p in batch.top_ps):
+            arrays["top_ps"] = np.asarray(batch.top_ps, dtype=np.float32)
+        if any(p > 0 for p in batch.min_ps):
+            arrays["min_ps"] = np.asarray(batch.min_ps, dtype=np.float32)
+        if any(s is not None for s in batch.seeds):
+            # any Python int as int64 bits; unseeded rows are marked by step -1
+            seeds = [0 if s is None else s & _U64 for s in batch.seeds]
+            arrays["seeds"] = np.asarray([s - _I64_SPAN if s >> 63 else s for s in seeds], dtype=np.int64)
+            arrays["steps"] = np.asarray(
+                [-1 if s is None else t for s, t in zip(batch.seeds, batch.steps)], dtype=np.int64
+            )
+        return arrays

@@ -1,0 +1,93 @@
+"""Every architecture the engine serves, in one table: its model class and what sets it apart.
+
+Pure data (model classes are imported only when a model is built), so the configuration can
+check a checkpoint before anything heavy is loaded.
+"""
+
+import importlib
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    """One Hugging Face ``architectures`` entry and how our model class must be set up for it."""
+
+    name: str
+    model_type: str
+    model_class: str
+    """``"module:Class"`` of the model that serves it."""
+    qk_norm: bool = False
+    """RMSNorm on each query and key head before the rotary embedding (Qwen3)."""
+    qkv_bias: bool | None = None
+    """Bias on the q/k/v projections; None: the config's ``attention_bias``."""
+    o_bias: bool | None = None
+    """Bias on the output projection; None: the config's ``attention_bias``."""
+
+    def load_model_class(self) -> type:
+        module, name = self.model_class.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    def attention_biases(self, config: PretrainedConfig) -> tuple[bool, bool]:
+        """(q/k/v bias, output-projection bias) for this checkpoint."""
+        default = bool(getattr(config, "attention_bias", False))
+        return (
+            default if self.qkv_bias is None else self.qkv_bias,
+            default if self.o_bias is None else self.o_bias,
+        )
+
+
+_DECODER = "nanovllm.models.decoder:DecoderForCausalLM"
+ARCHITECTURES = {
+    arch.name: arch
+    for arch in (
+        Architecture("Qwen3ForCausalLM", "qwen3", _DECODER, qk_norm=True),
+        Architecture("Qwen2ForCausalLM", "qwen2", _DECODER, qkv_bias=True, o_bias=False),
+        Architecture("LlamaForCausalLM", "llama", _DECODER),
+    )
+}
+
+
+def attention_dims(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(attention heads, KV heads, head dim) of a checkpoint, before tensor parallelism."""
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_attention_heads, num_kv_heads, head_dim
+
+
+def rope_settings(config: PretrainedConfig) -> tuple[float, dict]:
+    """(rope theta, rope scaling parameters) wherever this transformers version keeps them."""
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or params
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0))), scaling
+
+
+def resolve_architecture(config: PretrainedConfig) -> Architecture:
+    """The registry entry for a checkpoint's config; ``ValueError`` for an architecture we do
+    not serve, or for any feature of it that we do not implement (named, never run wrong)."""
+    names = getattr(config, "architectures", None) or []
+    arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"unsupported architecture {names}; supported: {sorted(ARCHITECTURES)}")
+    _refuse_unimplemented(config, arch)
+    return arch
+
+
+def _refuse_unimplemented(config: PretrainedConfig, arch: Architecture) -> None:
+    def refuse(feature: str) -> None:
+        raise ValueError(f"{arch.name} checkpoint sets {feature}, which nanovllm does not implement")
+
+    _, scaling = rope_settings(config)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type != "default":
+        refuse(f"rope scaling {rope_type!r} (only default rotary embeddings are implemented)")
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        refuse(f"hidden_act={act!r} (only 'silu' is implemented)")
+    if getattr(config, "mlp_bias", False):
+        refuse("mlp_bias=True")
+    if getattr(config, "use_sliding_window", False):
+        refuse("use_sliding_window=True (sliding-window attention)")
+    if getattr(config, "quantization_config", None):
+        refuse(f"quantization_config {config.quantization_config!r}")

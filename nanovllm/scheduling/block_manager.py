@@ -1,0 +1,145 @@
+"""KV-cache blocks: allocation, reference counts and prefix caching. No torch here."""
+
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+from nanovllm.scheduling.sequence import Sequence
+
+
+def block_hash(token_ids: list[int], prev_hash: int) -> int:
+    """Hash of a full block, chained on the previous block's hash (-1 for the first)."""
+    return xxhash.xxh3_64_intdigest(array("q", token_ids), seed=(prev_hash + 1) & 0xFFFF_FFFF_FFFF_FFFF)
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "prev_hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.prev_hash = -1  # with token_ids, verifies a hit on the whole prefix, not only the hash
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    """Hands out fixed-size KV blocks and shares full blocks between sequences.
+
+    A block is hashed (and so becomes shareable) only once its KV has been computed. Freed
+    blocks keep their hash and contents until they are handed out again, so a later
+    sequence with the same prefix can still hit them; the least recently freed goes first.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[int, int] = {}
+        # an ordered set: O(1) to take the oldest, to drop a cache hit, to put back a freed block
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != -1:
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.prev_hash, block.token_ids = -1, -1, []
+        block.ref_count = 1
+        return block_id
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of ``seq``'s first ``num_blocks`` full blocks, each computed once."""
+        hashes, bs = seq.block_hashes, self.block_size
+        for i in range(len(hashes), num_blocks):
+            hashes.append(block_hash(seq.token_ids[i * bs : (i + 1) * bs], hashes[i - 1] if i else -1))
+        return hashes
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of ``seq``, token ids verified."""
+        if not self.enable_prefix_caching or not self.hash_to_block:
+            return []
+        # a full-prompt hit would leave nothing to compute, so the last token is never a hit
+        num_full = (len(seq) - 1) // self.block_size
+        hashes, bs = self._block_hashes(seq, num_full), self.block_size
+        hits, prev = [], -1
+        for i in range(num_full):
+            block_id = self.hash_to_block.get(hashes[i])
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.prev_hash != prev or block.token_ids != seq.token_ids[i * bs : (i + 1) * bs]:
+                break
+            hits.append(block_id)
+            prev = hashes[i]
+        return hits
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give ``seq`` blocks for all its tokens, reusing cached ones, and set its computed
+        count; returns False, changing nothing, when too few blocks are free."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
+        hits = self._cached_prefix(seq)
+        reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        new = self.num_blocks_needed(len(seq)) - len(hits)
+        if new + reused_free > len(self.free_block_ids):
+            return False
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+        seq.block_table = hits + [self._take_free_block() for _ in range(new)]
+        seq.num_shared_blocks = len(hits)
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; blocks nobody holds go back to the free list."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_shared_blocks = 0
+        seq.num_computed_tokens = 0
+
+    def has_slot(self, seq: Sequence, lookahead: int = 0) -> bool:
+        """Whether ``seq``'s blocks already hold ``len(seq) + lookahead`` tokens."""
+        return len(seq.block_table) * self.block_size >= len(seq) + lookahead
+
+    def append_slot(self, seq: Sequence, lookahead: int = 0) -> bool:
+        """Make room for ``len(seq) + lookahead`` tokens (at most one new block); returns
+        False when that needs a block and none is free."""
+        if self.has_slot(seq, lookahead):
+            return True
+        if not self.free_block_ids:
+            return False
+        seq.block_table.append(self._take_free_block())
+        return True
+
+    def commit_computed(self, seq: Sequence) -> None:
+        """Register the blocks that became full of computed KV, making them shareable."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_shared_blocks:
+            return
+        hashes, bs = self._block_hashes(seq, full), self.block_size
+        for i in range(seq.num_shared_blocks, full):
+            block = self.blocks[seq.block_table[i]]
+            block.prev_hash = hashes[i - 1] if i else -1
+            block.hash = hashes[i]
+            block.token_ids = seq.token_ids[i * bs : (i + 1) * bs]
+            self.hash_to_block.setdefault(block.hash, block.block_id)
+        seq.num_shared_blocks = full
