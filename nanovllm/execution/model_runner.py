@@ -13,7 +13,8 @@ from nanovllm.execution.loader import build_model
 from nanovllm.execution.sampler import Sampler
 from nanovllm.execution.step_inputs import StepInputBuilder
 from nanovllm.layers.parallel import TPGroup
-from nanovllm.scheduling import StepBatch
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.scheduling.step import BlockTableUpdate, NewRow, StepBatch
 
 
 class SampledTokens:
@@ -42,21 +43,22 @@ def rank_device(config: Config, rank: int) -> torch.device:
 
 
 def dummy_batch(lens: list[int], block_size: int, prefix: int = 0, is_prefill: bool = True) -> StepBatch:
-    """Rows 0.. computing ``lens`` zero tokens after ``prefix`` cached ones, every block id 0."""
+    """Rows 0.. computing ``lens`` zero tokens after ``prefix`` cached ones, every block id 0,
+    sampled at temperature 1."""
     n = len(lens)
     return StepBatch(
         is_prefill=is_prefill,
         rows=list(range(n)),
-        token_ids=[[0] * length for length in lens],
+        num_tokens=list(lens),
+        token_ids=[0] * sum(lens),
         start_positions=[prefix] * n,
-        block_table_starts=[0] * n,
-        new_block_ids=[[0] * -(-(prefix + length) // block_size) for length in lens],
-        temperatures=[1.0] * n,
-        top_ks=[-1] * n,
-        top_ps=[1.0] * n,
-        min_ps=[0.0] * n,
-        seeds=[None] * n,
-        steps=[0] * n,
+        new_rows=[
+            NewRow(row, prefix + length, SamplingParams(temperature=1.0)) for row, length in enumerate(lens)
+        ],
+        block_table_updates=[
+            BlockTableUpdate(row, 0, [0] * -(-(prefix + length) // block_size))
+            for row, length in enumerate(lens)
+        ],
     )
 
 

@@ -1,14 +1,13 @@
 """A :class:`StepBatch` as device tensors: model inputs, attention metadata, sampling."""
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
 
 from nanovllm.attention import AttentionMetadata
 from nanovllm.config import Config
-from nanovllm.execution.block_tables import BlockTables
+from nanovllm.execution.row_state import BlockTables, SamplingRows
 from nanovllm.execution.sampler import SamplingTensors
 from nanovllm.scheduling import StepBatch
 
@@ -17,7 +16,6 @@ _TORCH_DTYPES = {
     np.dtype(np.int32): torch.int32,
     np.dtype(np.float32): torch.float32,
 }
-_U64, _I64_SPAN = 2**64 - 1, 2**64
 
 
 @dataclass(slots=True)
@@ -33,12 +31,14 @@ class StepInputs:
 
 
 class StepInputBuilder:
-    """Builds a step's tensors on the host and moves them to the device in two transfers."""
+    """Builds a step's tensors on the host and moves them to the device in two transfers,
+    keeping each row's block table and sampling parameters between steps."""
 
     def __init__(self, config: Config, device: torch.device):
         self.device = device
         self.block_size = config.kvcache_block_size
         self.block_tables = BlockTables(config.max_num_seqs, config.max_blocks_per_seq, device)
+        self.sampling_rows = SamplingRows(config.max_num_seqs)
 
     def _upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Copy many small host arrays with one transfer per element size; returns device views.
@@ -67,45 +67,42 @@ class StepInputBuilder:
 
     def build(self, batch: StepBatch, with_sampling: bool = True) -> StepInputs:
         bs, n = self.block_size, len(batch)
-        from_previous = batch.previous_sample_rows is not None
         rows = np.asarray(batch.rows, dtype=np.int64)
-        changed = self.block_tables.update(batch)
+        stale_rows = self.block_tables.update(batch.block_table_updates)
+        self.sampling_rows.update(batch.new_rows)
         starts = np.asarray(batch.start_positions, dtype=np.int64)
+        q_lens = np.asarray(batch.num_tokens, dtype=np.int64)
         if batch.is_prefill:
-            q_lens = np.fromiter(map(len, batch.token_ids), dtype=np.int64, count=n)
             row_of_token = np.repeat(np.arange(n), q_lens)
             cu_q = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(q_lens, out=cu_q[1:])
             positions = np.arange(cu_q[-1]) - cu_q[:-1][row_of_token] + starts[row_of_token]
         else:
-            q_lens, row_of_token, positions = np.ones(n, dtype=np.int64), np.arange(n), starts
+            row_of_token, positions = np.arange(n), starts
         context_lens = starts + q_lens
-        slots = (
-            self.block_tables.host[rows[row_of_token], positions // bs].astype(np.int64) * bs + positions % bs
-        )
-        if from_previous:
-            input_ids = np.asarray(batch.previous_sample_rows, dtype=np.int64)
-        else:
-            input_ids = np.fromiter(chain.from_iterable(batch.token_ids), dtype=np.int64, count=len(slots))
+        blocks = self.block_tables.host[rows[row_of_token], positions // bs].astype(np.int64)
+        from_previous = batch.previous_sample_rows is not None
         arrays = {
-            "input_ids": input_ids,
+            "input_ids": np.asarray(
+                batch.previous_sample_rows if from_previous else batch.token_ids, dtype=np.int64
+            ),
             "positions": positions,
-            "slots": slots,
+            "slots": blocks * bs + positions % bs,
             "rows": rows,
             "context_lens": context_lens.astype(np.int32),
         }
-        if changed.size:
-            arrays["changed_rows"] = changed
-            arrays["changed_tables"] = self.block_tables.host[changed]
+        if stale_rows.size:
+            arrays["stale_rows"] = stale_rows
+            arrays["stale_tables"] = self.block_tables.host[stale_rows]
         if batch.is_prefill:
             cu_k = np.zeros(n + 1, dtype=np.int32)
             np.cumsum(context_lens, out=cu_k[1:])
             arrays.update(cu_q=cu_q.astype(np.int32), cu_k=cu_k, last_token_index=cu_q[1:] - 1)
         if with_sampling:
-            arrays.update(self._sampling_arrays(batch))
+            arrays.update(self.sampling_rows.arrays(rows, context_lens - 1))
         dev = self._upload(arrays)
-        if changed.size:
-            self.block_tables.write_rows(dev["changed_rows"], dev["changed_tables"])
+        if stale_rows.size:
+            self.block_tables.write_rows(dev["stale_rows"], dev["stale_tables"])
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,
             slot_mapping=dev["slots"],
@@ -126,27 +123,8 @@ class StepInputBuilder:
                 min_ps=dev.get("min_ps"),
                 seeds=dev.get("seeds"),
                 steps=dev.get("steps"),
-                all_greedy=not any(batch.temperatures),
+                all_greedy=not arrays["temperatures"].any(),
             )
         return StepInputs(
             dev["input_ids"], from_previous, dev["positions"], meta, sampling, dev.get("last_token_index")
         )
-
-    @staticmethod
-    def _sampling_arrays(batch: StepBatch) -> dict[str, np.ndarray]:
-        """Per-row sampling values; a filter nobody in the batch uses is left out."""
-        arrays = {"temperatures": np.asarray(batch.temperatures, dtype=np.float32)}
-        if any(k > 0 for k in batch.top_ks):
-            arrays["top_ks"] = np.asarray(batch.top_ks, dtype=np.int64)
-        if any(p < 1 for p in batch.top_ps):
-            arrays["top_ps"] = np.asarray(batch.top_ps, dtype=np.float32)
-        if any(p > 0 for p in batch.min_ps):
-            arrays["min_ps"] = np.asarray(batch.min_ps, dtype=np.float32)
-        if any(s is not None for s in batch.seeds):
-            # any Python int as int64 bits; unseeded rows are marked by step -1
-            seeds = [0 if s is None else s & _U64 for s in batch.seeds]
-            arrays["seeds"] = np.asarray([s - _I64_SPAN if s >> 63 else s for s in seeds], dtype=np.int64)
-            arrays["steps"] = np.asarray(
-                [-1 if s is None else t for s, t in zip(batch.seeds, batch.steps)], dtype=np.int64
-            )
-        return arrays

@@ -1,6 +1,6 @@
 """KV-cache blocks: allocation, reference counts and prefix caching. No torch here."""
 
-from array import array
+import struct
 from collections import OrderedDict
 
 import xxhash
@@ -10,7 +10,8 @@ from nanovllm.scheduling.sequence import Sequence
 
 def block_hash(token_ids: list[int], prev_hash: int) -> int:
     """Hash of a full block, chained on the previous block's hash (-1 for the first)."""
-    return xxhash.xxh3_64_intdigest(array("q", token_ids), seed=(prev_hash + 1) & 0xFFFF_FFFF_FFFF_FFFF)
+    data = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    return xxhash.xxh3_64_intdigest(data, seed=(prev_hash + 1) & 0xFFFF_FFFF_FFFF_FFFF)
 
 
 class Block:

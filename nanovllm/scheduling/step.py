@@ -2,7 +2,27 @@
 
 from dataclasses import dataclass
 
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.scheduling.sequence import Sequence
+
+
+@dataclass(slots=True)
+class NewRow:
+    """A sequence that took a row (admitted, or readmitted after preemption): what the
+    executor keeps for the row until another sequence takes it."""
+
+    row: int
+    num_prompt_tokens: int
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class BlockTableUpdate:
+    """Block ids a row gained: they go into its table from index ``start`` (0: a new table)."""
+
+    row: int
+    start: int
+    block_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -10,27 +30,22 @@ class StepBatch:
     """One step's work as plain data, free of scheduler objects, so it can go to TP workers.
 
     Batch row ``i`` is the running sequence kept in executor row ``rows[i]``; it computes
-    ``token_ids[i]`` at positions ``start_positions[i]`` onward, and the last of them yields
-    logits and a sampled token. The executor keeps each row's block table between steps:
-    this step writes ``new_block_ids[i]`` into it from index ``block_table_starts[i]`` (0: the
-    row starts afresh). With ``previous_sample_rows`` (a decode step planned while the
-    previous one runs) every ``token_ids[i]`` is empty: row ``i``'s one input token is the
-    one the previous step sampled in its batch row ``previous_sample_rows[i]``.
+    ``num_tokens[i]`` tokens from position ``start_positions[i]`` on, the last of which yields
+    logits and a sampled token. ``token_ids`` holds every row's input tokens, concatenated.
+    Per-row state the executor keeps between steps is sent only when it changes:
+    ``new_rows`` (prompt length and sampling parameters) and ``block_table_updates``.
+    With ``previous_sample_rows`` (a decode step planned while the previous one runs)
+    ``token_ids`` is empty: row ``i``'s one input token is the one the previous step sampled
+    in its batch row ``previous_sample_rows[i]``.
     """
 
     is_prefill: bool
     rows: list[int]
-    token_ids: list[list[int]]
+    num_tokens: list[int]
+    token_ids: list[int]
     start_positions: list[int]
-    block_table_starts: list[int]
-    new_block_ids: list[list[int]]
-    temperatures: list[float]
-    top_ks: list[int]
-    top_ps: list[float]
-    min_ps: list[float]
-    seeds: list[int | None]
-    steps: list[int]
-    """Tokens each row has generated before this step's: with ``seeds``, what a draw depends on."""
+    new_rows: list[NewRow]
+    block_table_updates: list[BlockTableUpdate]
     previous_sample_rows: list[int] | None = None
 
     def __len__(self) -> int:
@@ -51,20 +66,21 @@ class ScheduledStep:
     @property
     def num_tokens(self) -> int:
         """Tokens this step computes."""
-        return sum(map(len, self.batch.token_ids)) if self.batch.is_prefill else len(self.seqs)
+        return sum(self.batch.num_tokens)
 
     @classmethod
     def plan(cls, seqs: list[Sequence], is_prefill: bool) -> "ScheduledStep":
         """A step over the sequences' scheduled tokens, all of them known."""
-        token_ids = (
-            [
-                s.token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_scheduled_tokens]
-                for s in seqs
-            ]
-            if is_prefill
-            else [[s.token_ids[-1]] for s in seqs]
-        )
-        return cls._build(seqs, is_prefill, token_ids, [s.num_computed_tokens for s in seqs], 0, None)
+        if is_prefill:
+            token_ids: list[int] = []
+            for s in seqs:
+                start = s.num_computed_tokens
+                token_ids += s.token_ids[start : start + s.num_scheduled_tokens]
+            num_tokens = [s.num_scheduled_tokens for s in seqs]
+        else:
+            token_ids, num_tokens = [s.token_ids[-1] for s in seqs], [1] * len(seqs)
+        starts = [s.num_computed_tokens for s in seqs]
+        return cls._build(seqs, is_prefill, num_tokens, token_ids, starts, None)
 
     @classmethod
     def plan_after(cls, seqs: list[Sequence], in_flight: "ScheduledStep") -> "ScheduledStep":
@@ -72,37 +88,34 @@ class ScheduledStep:
         known yet: each row's input is its sequence's token in flight."""
         row_in_flight = {s.seq_id: i for i, s in enumerate(in_flight.seqs)}
         previous_rows = [row_in_flight[s.seq_id] for s in seqs]
-        return cls._build(seqs, False, [[] for _ in seqs], [len(s) for s in seqs], 1, previous_rows)
+        return cls._build(seqs, False, [1] * len(seqs), [], [len(s) for s in seqs], previous_rows)
 
     @classmethod
     def _build(
         cls,
         seqs: list[Sequence],
         is_prefill: bool,
-        token_ids: list[list[int]],
+        num_tokens: list[int],
+        token_ids: list[int],
         start_positions: list[int],
-        tokens_in_flight: int,
         previous_sample_rows: list[int] | None,
     ) -> "ScheduledStep":
-        starts, new_blocks = [], []
-        for s in seqs:  # send each block id once: the executor keeps the rest
-            starts.append(s.num_blocks_sent)
-            new_blocks.append(s.block_table[s.num_blocks_sent :])
-            s.num_blocks_sent = len(s.block_table)
-        params = [s.params for s in seqs]
+        new_rows, updates = [], []
+        for s in seqs:  # send what the executor does not hold yet, once
+            sent = s.num_blocks_sent
+            if sent == 0:
+                new_rows.append(NewRow(s.row, s.num_prompt_tokens, s.params))
+            if len(s.block_table) > sent:
+                updates.append(BlockTableUpdate(s.row, sent, s.block_table[sent:]))
+                s.num_blocks_sent = len(s.block_table)
         batch = StepBatch(
             is_prefill=is_prefill,
             rows=[s.row for s in seqs],
+            num_tokens=num_tokens,
             token_ids=token_ids,
             start_positions=start_positions,
-            block_table_starts=starts,
-            new_block_ids=new_blocks,
-            temperatures=[p.temperature for p in params],
-            top_ks=[p.top_k for p in params],
-            top_ps=[p.top_p for p in params],
-            min_ps=[p.min_p for p in params],
-            seeds=[p.seed for p in params],
-            steps=[s.num_completion_tokens + tokens_in_flight for s in seqs],
+            new_rows=new_rows,
+            block_table_updates=updates,
             previous_sample_rows=previous_sample_rows,
         )
         return cls(seqs, batch)

@@ -68,3 +68,42 @@ def test_bad_stride_is_refused():
     logits = torch.randn(8, 4, device=DEVICE).t()
     with pytest.raises(ValueError, match="unit stride"):
         kernel.sample_tokens(logits, torch.ones(4, device=DEVICE), torch.rand(4, device=DEVICE))
+
+
+def test_seeded_rows_draw_from_their_seed_and_step_alone():
+    rows, vocab = 6, 3000
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(rows, vocab, generator=gen)
+    temps = torch.tensor([1.0, 0.8, 0.0, 1.3, 1.0, 0.5])
+    uniforms = torch.rand(rows, generator=gen)
+    seeds = torch.tensor([7, -1, 3, 2**63 - 1, 0, -(2**63)], dtype=torch.int64)
+    steps = torch.tensor([0, 5, 2, -1, 1000, 3], dtype=torch.int64)  # row 3 is unseeded
+    seeded = kernel.seeded_uniforms_ref(seeds, steps)
+    assert ((seeded >= 0) & (seeded < 1)).all()
+    expected_u = torch.where(steps >= 0, seeded, uniforms)
+    args = [t.to(DEVICE) for t in (logits, temps, uniforms, seeds, steps)]
+    out = kernel.sample_tokens(*args).cpu()
+    ref = kernel.sample_tokens_ref(*args).cpu()
+    assert_in_interval(out, logits, temps, expected_u)
+    assert_in_interval(ref, logits, temps, expected_u)
+    # the same row alone, at another position, with other uniforms: the same token
+    for row in (0, 4, 5):
+        logit_row, temp, seed, step = (t[row : row + 1].to(DEVICE) for t in (logits, temps, seeds, steps))
+        other_uniform = torch.rand(1, device=DEVICE)
+        assert kernel.sample_tokens(logit_row, temp, other_uniform, seed, step).item() == out[row].item()
+
+
+def test_seeded_uniforms_match_the_murmur3_finaliser():
+    def fmix(h: int) -> int:
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+
+    seeds, steps = [0, 1, 12345, -5, 2**63 - 1], [0, 7, 2**31 - 1, 3, 99]
+    got = kernel.seeded_uniforms_ref(torch.tensor(seeds), torch.tensor(steps)).tolist()
+    for seed, step, u in zip(seeds, steps, got):
+        bits = seed & (2**64 - 1)
+        h = fmix(fmix(fmix(step ^ 0x9E3779B9) ^ (bits >> 32)) ^ (bits & 0xFFFFFFFF))
+        assert u == (h >> 8) * 2.0**-24

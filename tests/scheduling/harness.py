@@ -93,6 +93,7 @@ class Harness:
         self.preempted_ids: set[int] = set()
         self.readmitted_with_hit = 0
         self.row_tables: dict[int, list[int]] = {}  # the fake executor's block tables, by row
+        self.row_prompt_lens: dict[int, int] = {}
 
     def add(self, tokens, **params) -> Sequence:
         seq = Sequence(len(self.seqs), list(tokens), SamplingParams(**params))
@@ -150,7 +151,7 @@ class Harness:
                     planned = self.sched.schedule_ahead(in_flight[0])
                     if planned is not None:
                         assert planned.batch.previous_sample_rows is not None
-                        assert all(not t for t in planned.batch.token_ids)
+                        assert planned.batch.token_ids == [] and not planned.batch.new_rows
                         self.apply_batch(planned)
                         in_flight.append(planned)
                         ahead += 1
@@ -170,19 +171,24 @@ class Harness:
     # ------------------------------------------------------------------ fake executor
 
     def apply_batch(self, step: ScheduledStep) -> None:
-        """Keep each row's block table from the deltas the batch carries, as the executor does."""
+        """Keep each row's block table and prompt length from what the batch carries, as the
+        executor does, and check them against the sequences."""
         b = step.batch
         assert len(set(b.rows)) == len(b.rows), "two batch rows share an executor row"
         running_rows = [s.row for s in self.sched.running]
         assert len(set(running_rows)) == len(running_rows), "two running sequences share a row"
-        for seq, row, start, new in zip(step.seqs, b.rows, b.block_table_starts, b.new_block_ids):
+        for new in b.new_rows:
+            self.row_tables[new.row] = []
+            self.row_prompt_lens[new.row] = new.num_prompt_tokens
+        for u in b.block_table_updates:
+            table = self.row_tables[u.row]
+            assert len(table) == u.start, "an update that does not continue its row"
+            table += u.block_ids
+        assert len(b.num_tokens) == len(b.start_positions) == len(step.seqs)
+        for seq, row in zip(step.seqs, b.rows):
             assert 0 <= row < self.sched.max_num_seqs and seq.row == row
-            table = self.row_tables.setdefault(row, [])
-            assert start == 0 or len(table) == start, "a delta that does not continue its row"
-            self.row_tables[row] = table[:start] + new
             assert self.row_tables[row] == seq.block_table, f"row {row} drifted from seq {seq.seq_id}"
-
-    # ---------------------------------------------------------------- fake execution
+            assert self.row_prompt_lens[row] == seq.num_prompt_tokens
 
     def compute(self, seq: Sequence, start: int | None = None, n: int | None = None) -> int:
         """Fake KV for ``n`` tokens from ``start`` (default: the scheduled chunk), checking what

@@ -68,8 +68,9 @@ def test_step_batch_covers_exactly_the_chunk():
         sb = step.batch
         start = s.num_computed_tokens
         assert sb.start_positions == [start]
-        assert sb.token_ids == [prompt[start : start + s.num_scheduled_tokens]]
-        seen.extend(sb.token_ids[0])
+        assert sb.token_ids == prompt[start : start + s.num_scheduled_tokens]
+        assert sb.num_tokens == [s.num_scheduled_tokens]
+        seen.extend(sb.token_ids)
         h.sched.postprocess(step, [DUMMY if start + s.num_scheduled_tokens < 14 else 5])
     assert seen == prompt  # every prompt token computed once, in order, keys end at the chunk
 
@@ -85,7 +86,7 @@ def test_chunk_ending_just_before_the_last_prompt_token():
     h.apply_batch(step)
     assert step.seqs == [s] and s.num_scheduled_tokens == 1
     assert step.batch.start_positions == [16]
-    assert step.batch.token_ids == [[17]]
+    assert step.batch.token_ids == [17]
     h.compute(s)
     h.sched.postprocess(step, [model(s.token_ids)])
     assert len(s.completion_token_ids) == 1
@@ -118,7 +119,7 @@ def test_decode_positions_are_zero_based_and_blocks_grow_at_boundaries():
         h.apply_batch(step)
         assert not step.is_prefill and step.seqs == [s]
         assert step.batch.start_positions == [length - 1]  # positions are 0-based
-        assert step.batch.token_ids == [[s.token_ids[-1]]]
+        assert step.batch.token_ids == [s.token_ids[-1]]
         assert len(s.block_table) == cdiv(length, 4)
         h.compute(s)
         h.sched.postprocess(step, [model(s.token_ids)])

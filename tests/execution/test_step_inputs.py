@@ -1,0 +1,92 @@
+"""Step inputs built from the plans alone (block-table deltas included) match the sequences.
+
+A scheduler with a fake model runs whole workloads, with preemption, prefix hits, chunked
+prefill and decode steps planned ahead; every step's tensors are checked against what the
+sequences themselves say.
+"""
+
+import random
+
+import pytest
+import torch
+
+from nanovllm.config import Config
+from nanovllm.execution.step_inputs import StepInputBuilder
+from nanovllm.scheduling import ScheduledStep
+from tests.scheduling.harness import VOCAB, Harness
+
+BLOCK, SEQS, MAX_LEN = 4, 6, 48
+
+
+class CheckedHarness(Harness):
+    def __init__(self, builder: StepInputBuilder, **options):
+        super().__init__(max_num_seqs=SEQS, max_model_len=MAX_LEN, block_size=BLOCK, **options)
+        self.builder = builder
+        self.steps_checked = 0
+
+    def apply_batch(self, step: ScheduledStep) -> None:
+        super().apply_batch(step)
+        inputs = self.builder.build(step.batch)
+        b, meta = step.batch, inputs.meta
+        positions, slots, ids = [], [], []
+        for seq, start, n in zip(step.seqs, b.start_positions, b.num_tokens):
+            positions += range(start, start + n)
+            slots += [seq.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
+            ids += seq.token_ids[start : start + n]
+        assert inputs.positions.tolist() == positions
+        assert meta.slot_mapping.tolist() == slots
+        assert meta.context_lens.tolist() == [s + n for s, n in zip(b.start_positions, b.num_tokens)]
+        for i, seq in enumerate(step.seqs):
+            assert meta.block_tables[i, : len(seq.block_table)].tolist() == seq.block_table
+        if b.previous_sample_rows is not None:
+            assert inputs.from_previous and inputs.input_ids.tolist() == b.previous_sample_rows
+        else:
+            assert not inputs.from_previous and inputs.input_ids.tolist() == ids
+        if b.is_prefill:
+            lens = b.num_tokens
+            assert meta.cu_seqlens_q.tolist() == [sum(lens[:i]) for i in range(len(lens) + 1)]
+            assert inputs.last_token_index.tolist() == [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
+        self.steps_checked += 1
+
+
+@pytest.fixture(scope="module")
+def config(qwen3_dir) -> Config:
+    return Config(qwen3_dir, device="cpu", kvcache_block_size=BLOCK, max_num_seqs=SEQS, max_model_len=MAX_LEN)
+
+
+@pytest.mark.parametrize("plan_ahead", [False, True])
+@pytest.mark.parametrize("num_blocks", [12, 200])
+def test_inputs_follow_the_sequences_through_a_workload(config, plan_ahead, num_blocks):
+    h = CheckedHarness(
+        StepInputBuilder(config, torch.device("cpu")), num_blocks=num_blocks, max_num_batched_tokens=20
+    )
+    rng = random.Random(num_blocks)
+    shared = [rng.randrange(VOCAB) for _ in range(16)]
+    for _ in range(12):
+        prompt = shared[: rng.randrange(0, 17)] + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 20))]
+        h.add(prompt, max_tokens=rng.randrange(1, 16))
+    if plan_ahead:
+        h.run_async()
+    else:
+        h.run()
+    h.check_done()
+    assert h.steps_checked > 20
+    if num_blocks == 12:
+        assert h.sched.num_preemptions > 0
+
+
+def test_sampling_values_travel_per_row(config):
+    h = CheckedHarness(StepInputBuilder(config, torch.device("cpu")), num_blocks=50)
+    h.add([1, 2, 3], max_tokens=2, temperature=0.7, top_k=5, seed=2**64 - 1)
+    h.add([4, 5], max_tokens=2, temperature=0.0, top_p=0.5, min_p=0.1)
+    step = h.sched.schedule()
+    sampling = h.builder.build(step.batch).sampling
+    assert sampling.temperatures.tolist() == pytest.approx([0.7, 0.0])
+    assert sampling.top_ks.tolist() == [5, -1]
+    assert sampling.top_ps.tolist() == [1.0, 0.5] and sampling.min_ps.tolist() == pytest.approx([0.0, 0.1])
+    # any Python int seed travels as its 64 bits; the unseeded row is marked by step -1
+    assert sampling.seeds.tolist()[0] == -1 and sampling.steps.tolist() == [0, -1]
+    h.sched.postprocess(step, [9, 9])  # a decode step next: the first row's second token
+    sampling = h.builder.build(h.sched.schedule().batch).sampling
+    assert sampling.steps.tolist() == [1, -1] and sampling.temperatures.tolist() == pytest.approx([0.7, 0.0])
+    assert not sampling.all_greedy

@@ -1,0 +1,92 @@
+"""The configuration: every check runs before a model or worker exists; the registry refuses
+what we do not implement, by name."""
+
+import pytest
+import torch
+
+from nanovllm import LLM
+from nanovllm.config import Config
+from nanovllm.demo_models import write_config
+from nanovllm.models.registry import ARCHITECTURES
+
+SMALL = dict(
+    num_hidden_layers=1,
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+)
+
+
+@pytest.fixture
+def no_executor(monkeypatch):
+    """Fail the test if an engine gets as far as starting its executor."""
+
+    def refuse(config):
+        raise AssertionError("an executor was started for a config that should have been refused")
+
+    monkeypatch.setattr("nanovllm.llm.TPExecutor", refuse)
+
+
+def test_auto_values_are_resolved_and_the_config_is_frozen(tmp_path):
+    write_config(str(tmp_path), **SMALL)
+    config = Config(str(tmp_path), device="cpu")
+    assert (config.device, config.dtype, config.attention_backend) == ("cpu", "bfloat16", "torch")
+    assert config.architecture is ARCHITECTURES["Qwen3ForCausalLM"]
+    assert config.eos_token_ids == (2,)
+    with pytest.raises(AttributeError):
+        config.max_num_seqs = 3
+
+
+def test_max_model_len_is_capped_by_the_model(tmp_path):
+    write_config(str(tmp_path), **SMALL, max_position_embeddings=100)
+    assert Config(str(tmp_path), device="cpu", max_model_len=4096).max_model_len == 100
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        pytest.param(
+            dict(device="cuda"),
+            "CUDA is not available",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available"),
+        ),
+        (dict(device="tpu"), "device must be"),
+        (dict(num_kvcache_blocks=1, kvcache_block_size=16, max_model_len=64), "KV cache holds 16 tokens"),
+        (dict(kv_cache_memory_gb=1e-9), "KV cache holds 0 tokens"),
+        (dict(attention_backend="flash_attn"), "flash-attn"),
+        (dict(attention_backend="triton", kvcache_block_size=8), "kvcache_block_size >= 16"),
+        (dict(load_format="pt"), "load_format"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    ],
+)
+def test_bad_options_are_refused_before_anything_starts(tmp_path, no_executor, options, match):
+    write_config(str(tmp_path), **SMALL)
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tmp_path), **{"device": "cpu", **options})
+
+
+@pytest.mark.parametrize(
+    "architecture, overrides, match",
+    [
+        ("Qwen3ForCausalLM", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope scaling 'yarn'"),
+        ("Qwen3ForCausalLM", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        ("LlamaForCausalLM", dict(mlp_bias=True), "mlp_bias"),
+        ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=64), "sliding-window"),
+        ("Qwen3ForCausalLM", dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    ],
+)
+def test_checkpoint_features_we_do_not_implement_are_refused_by_name(
+    tmp_path, no_executor, architecture, overrides, match
+):
+    write_config(str(tmp_path), architecture=architecture, **SMALL, **overrides)
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tmp_path), device="cpu")
+
+
+def test_unknown_architecture_lists_the_supported_ones(tmp_path, no_executor):
+    write_config(str(tmp_path), **SMALL, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="supported: .*LlamaForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+        LLM(str(tmp_path), device="cpu")
