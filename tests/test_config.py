@@ -8,16 +8,7 @@ from nanovllm import LLM
 from nanovllm.config import Config
 from nanovllm.demo_models import write_config
 from nanovllm.models.registry import ARCHITECTURES
-
-SMALL = dict(
-    num_hidden_layers=1,
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-)
+from tests.checkpoints import TINY_QWEN3 as SMALL
 
 
 @pytest.fixture
@@ -41,7 +32,7 @@ def test_auto_values_are_resolved_and_the_config_is_frozen(tmp_path):
 
 
 def test_max_model_len_is_capped_by_the_model(tmp_path):
-    write_config(str(tmp_path), **SMALL, max_position_embeddings=100)
+    write_config(str(tmp_path), **{**SMALL, "max_position_embeddings": 100})
     assert Config(str(tmp_path), device="cpu", max_model_len=4096).max_model_len == 100
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo_models import write_config
+from tests.checkpoints import TINY_QWEN3
 
 OPTIONS = dict(device="cpu", dtype="float32", max_model_len=64, kvcache_block_size=16, max_num_seqs=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -41,16 +42,7 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_missing_weights(tmp_path):
-    write_config(
-        str(tmp_path),
-        num_hidden_layers=1,
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )
+    write_config(str(tmp_path), **TINY_QWEN3)
     with pytest.raises(FileNotFoundError, match="safetensors"):
         LLM(str(tmp_path), device="cpu", max_model_len=64)
 

@@ -149,3 +149,27 @@ def test_async_scheduling_with_stops_and_seeds(qwen3_dir, prompts, hf_reference)
         assert [o["token_ids"] for o in stops] == [r[: r.index(r[7]) + 1] for r in ref]
         results.append([o["token_ids"] for o in samples])
     assert results[0] == results[1]
+
+
+def test_a_failed_step_leaves_the_engine_whole(qwen3_dir, prompts, hf_reference):
+    """An exception out of a step ends that call; every block and row comes back, and the
+    next call is correct (the executor's per-row state included)."""
+    llm = LLM(qwen3_dir, **{**BASE, "max_model_len": 128}, kvcache_block_size=16, num_kvcache_blocks=20)
+    try:
+        launch, calls = llm.executor.launch, []
+
+        def failing_launch(batch):
+            calls.append(batch)
+            if len(calls) == 6:
+                raise KeyboardInterrupt
+            return launch(batch)
+
+        llm.executor.launch = failing_launch
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == 20
+        assert sorted(llm.scheduler.free_rows) == list(range(BASE["max_num_seqs"]))
+        outs = llm.generate(prompts[::-1], GREEDY, use_tqdm=False)
+        assert [o["token_ids"] for o in outs] == hf_reference(qwen3_dir, prompts, 24)[::-1]
+    finally:
+        llm.exit()

@@ -252,3 +252,24 @@ def test_preempted_sequences_hit_their_own_blocks_in_loops():
         h.check_done()
         total_readmit_hits += h.readmitted_with_hit
     assert total_readmit_hits > 0
+
+
+def test_abort_all_returns_every_block_and_row_and_the_scheduler_goes_on():
+    h = Harness(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=10)
+    rng = random.Random(9)
+    doomed = [
+        h.add([rng.randrange(VOCAB) for _ in range(rng.randrange(3, 15))], max_tokens=8) for _ in range(7)
+    ]
+    for _ in range(4):
+        h.step()
+    assert h.sched.running and h.sched.waiting
+    aborted = h.sched.abort_all()
+    assert {s.seq_id for s in aborted} == {s.seq_id for s in doomed if s.finish_reason != "length"}
+    assert all(s.is_finished and s.block_table == [] and s.row == -1 for s in aborted)
+    assert h.sched.is_finished() and sorted(h.sched.free_rows) == [0, 1, 2, 3]
+    assert h.bm.num_free_blocks == 12 and all(b.ref_count == 0 for b in h.bm.blocks)
+    h.seqs, h.finished = [], []
+    for _ in range(6):
+        h.add([rng.randrange(VOCAB) for _ in range(rng.randrange(3, 15))], max_tokens=6)
+    h.run()
+    h.check_done()
