@@ -104,6 +104,7 @@ def main() -> None:
         prefill = [t for t, n in steps if n > 0]
         decode = [t for t, n in steps if n <= 0]
         print(f"\n== run {run}: {wall:.2f} s, {sum(max_tokens) / wall:,.0f} tok/s")
+        print(f"KV blocks: {llm.num_kvcache_blocks}, preemptions so far: {llm.scheduler.num_preemptions}")
         print(f"prefill: {len(prefill)} steps, {sum(prefill):.3f} s")
         print(f"decode:  {len(decode)} steps, {sum(decode):.3f} s")
         for k, v in sorted(host.items()):
