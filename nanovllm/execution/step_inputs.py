@@ -83,10 +83,11 @@ class StepInputBuilder:
         blocks = self.block_tables.host[rows[row_of_token], positions // bs].astype(np.int64)
         from_previous = batch.previous_sample_rows is not None
         arrays = {
+            # first, at storage offset 0: the compiled rotary embedding guards on its offset
+            "positions": positions,
             "input_ids": np.asarray(
                 batch.previous_sample_rows if from_previous else batch.token_ids, dtype=np.int64
             ),
-            "positions": positions,
             "slots": blocks * bs + positions % bs,
             "rows": rows,
             "context_lens": context_lens.astype(np.int32),

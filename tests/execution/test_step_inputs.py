@@ -34,6 +34,8 @@ class CheckedHarness(Harness):
             slots += [seq.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
             ids += seq.token_ids[start : start + n]
         assert inputs.positions.tolist() == positions
+        # torch.compile guards on the offset of its inputs: one that moved would recompile mid-run
+        assert inputs.positions.storage_offset() == 0
         assert meta.slot_mapping.tolist() == slots
         assert meta.context_lens.tolist() == [s + n for s, n in zip(b.start_positions, b.num_tokens)]
         for i, seq in enumerate(step.seqs):
