@@ -1,6 +1,5 @@
 """Paged decode attention: one query token per sequence against its cached context."""
 
-import functools
 
 import torch
 import triton
@@ -189,7 +188,6 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out)
 
 
-@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
