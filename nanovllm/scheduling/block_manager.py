@@ -115,6 +115,14 @@ class BlockManager:
         seq.num_shared_blocks = 0
         seq.num_computed_tokens = 0
 
+    def release_all(self) -> None:
+        """Drop every reference, whoever held it: all blocks are free again (cached ones keep
+        their hash). What an interrupted step took is recovered too, recorded or not."""
+        for block in self.blocks:
+            if block.ref_count:
+                block.ref_count = 0
+                self.free_block_ids[block.block_id] = None
+
     def has_slot(self, seq: Sequence, lookahead: int = 0) -> bool:
         """Whether ``seq``'s blocks already hold ``len(seq) + lookahead`` tokens."""
         return len(seq.block_table) * self.block_size >= len(seq) + lookahead

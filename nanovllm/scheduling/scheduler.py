@@ -166,12 +166,14 @@ class Scheduler:
         return None
 
     def abort_all(self) -> list[Sequence]:
-        """End every waiting and running sequence ("abort"), freeing their blocks and rows."""
+        """End every waiting and running sequence ("abort") and take back every block and row,
+        also those an interrupted step held without recording them."""
         aborted = [*self.running, *self.waiting]
         for seq in aborted:
-            self._release(seq)
-            seq.num_scheduled_tokens = 0
+            seq.block_table, seq.row, seq.num_scheduled_tokens = [], -1, 0
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self.running.clear()
         self.waiting.clear()
+        self.block_manager.release_all()
+        self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))
         return aborted
