@@ -1,7 +1,7 @@
 """The user API: ``LLM(model, **options).generate(prompts, sampling_params)``."""
 
-import atexit
 import os
+import weakref
 
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
@@ -20,7 +20,11 @@ def load_tokenizer(model: str):
 
 
 class LLM(LLMEngine):
-    """An engine over a Hugging Face model folder; see :class:`Config` for the options."""
+    """An engine over a Hugging Face model folder; see :class:`Config` for the options.
+
+    Workers and device memory are released by :meth:`exit`, at the end of a ``with`` block,
+    when the last reference to the engine goes, or at interpreter exit, whichever comes first.
+    """
 
     def __init__(self, model: str, **options):
         config = Config.from_options(model, **options)
@@ -31,8 +35,15 @@ class LLM(LLMEngine):
         except BaseException:
             executor.close()
             raise
-        atexit.register(self.exit)
+        # holds the executor, not the engine, so dropping the engine still frees everything
+        self._finalizer = weakref.finalize(self, executor.close)
 
     def exit(self) -> None:
         super().exit()
-        atexit.unregister(self.exit)
+        self._finalizer.detach()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.exit()

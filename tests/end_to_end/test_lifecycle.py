@@ -1,0 +1,50 @@
+"""An engine's life: exit is idempotent, a with block closes it, dropping it frees it."""
+
+import gc
+import os
+import weakref
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+
+OPTIONS = dict(device="cpu", dtype="float32", max_model_len=128, kvcache_block_size=16, max_num_seqs=4)
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_dropping_the_last_reference_frees_model_and_cache(qwen3_dir, prompts):
+    llm = LLM(qwen3_dir, **OPTIONS)
+    llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+    runner = llm.executor.runner
+    model, cache = weakref.ref(runner.model), weakref.ref(runner.kv_cache.tensor)
+    del llm, runner
+    gc.collect()
+    assert model() is None and cache() is None
+
+
+def test_with_block_closes_and_exit_is_idempotent(qwen3_dir, prompts):
+    with LLM(qwen3_dir, **OPTIONS) as llm:
+        assert len(llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]["token_ids"]) == 4
+    assert llm.executor is None
+    llm.exit()
+    llm.exit()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+
+
+def test_engines_created_and_dropped_do_not_pile_up(qwen3_dir, prompts):
+    sizes = []
+    for _ in range(6):
+        llm = LLM(qwen3_dir, **OPTIONS, kv_cache_memory_gb=0.25)
+        llm.executor.runner.kv_cache.tensor.fill_(1.0)  # make the cache resident
+        llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+        del llm
+        gc.collect()
+        sizes.append(rss_mib())
+    # one engine's cache is 256 MiB: five more engines must not have kept theirs
+    assert sizes[-1] - sizes[0] < 128, sizes
