@@ -40,8 +40,13 @@ def test_with_block_closes_and_exit_is_idempotent(qwen3_dir, prompts):
 def test_engines_created_and_dropped_do_not_pile_up(qwen3_dir, prompts):
     sizes = []
     for _ in range(6):
-        llm = LLM(qwen3_dir, **OPTIONS, kv_cache_memory_gb=0.25)
-        llm.executor.runner.kv_cache.tensor.fill_(1.0)  # make the cache resident
+        llm = LLM(
+            qwen3_dir, **{**OPTIONS, "max_num_seqs": 512, "max_model_len": 1024}, kv_cache_memory_gb=0.25
+        )
+        cache = llm.executor.runner.kv_cache.tensor
+        assert cache.numel() * cache.element_size() == 2**28
+        cache.fill_(1.0)  # make the cache resident
+        del cache
         llm.generate(prompts[:2], GREEDY, use_tqdm=False)
         del llm
         gc.collect()
