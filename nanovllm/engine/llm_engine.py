@@ -5,10 +5,9 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import count
 
-from tqdm.auto import tqdm
-
 from nanovllm.config import Config
 from nanovllm.engine.executor import Executor, SampledTokens
+from nanovllm.engine.progress import ProgressBar
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.scheduling import BlockManager, ScheduledStep, Scheduler, Sequence
 
@@ -106,10 +105,14 @@ class LLMEngine:
             if ahead is not None:
                 self._launch(ahead)
         done = self.in_flight.popleft()
-        finished = self.scheduler.postprocess(done.step, done.tokens.tolist())
-        if done.step.is_prefill:
-            return StepResult(finished, num_prefill_tokens=done.step.num_tokens)
-        return StepResult(finished, num_decode_tokens=done.step.num_tokens)
+        step = done.step
+        if step.is_prefill:
+            finished = self.scheduler.postprocess(step, done.tokens.tolist())
+            return StepResult(finished, num_prefill_tokens=step.num_tokens)
+        # a planned-ahead row whose sequence ended on the step before computed nothing kept
+        num_kept = sum(not seq.is_finished for seq in step.seqs)
+        finished = self.scheduler.postprocess(step, done.tokens.tolist())
+        return StepResult(finished, num_decode_tokens=num_kept)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self.in_flight
@@ -142,21 +145,14 @@ class LLMEngine:
         seqs = [Sequence(next(self.seq_ids), ids, sp) for ids, sp in zip(token_ids, sampling_params)]
         for seq in seqs:
             self.scheduler.add(seq)
-        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_tps = decode_tps = 0.0
+        bar = ProgressBar(len(seqs), enabled=use_tqdm)
         try:
             while not self.is_finished():
                 start = time.perf_counter()
-                result = self.step()
-                elapsed = time.perf_counter() - start
-                if result.num_prefill_tokens:
-                    prefill_tps = result.num_prefill_tokens / elapsed
-                else:
-                    decode_tps = result.num_decode_tokens / elapsed
-                bar.set_postfix(
-                    prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s", refresh=False
+                r = self.step()
+                bar.update(
+                    len(r.finished), r.num_prefill_tokens, r.num_decode_tokens, time.perf_counter() - start
                 )
-                bar.update(len(result.finished))
         except BaseException:
             self.abort_all()
             raise

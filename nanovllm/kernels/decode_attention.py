@@ -1,6 +1,5 @@
 """Paged decode attention: one query token per sequence against its cached context."""
 
-
 import torch
 import triton
 import triton.language as tl

@@ -173,3 +173,26 @@ def test_a_failed_step_leaves_the_engine_whole(qwen3_dir, prompts, hf_reference)
         assert [o["token_ids"] for o in outs] == hf_reference(qwen3_dir, prompts, 24)[::-1]
     finally:
         llm.exit()
+
+
+def test_step_results_count_only_tokens_kept(qwen3_dir, prompts, hf_reference):
+    """With async scheduling a planned-ahead row of a sequence that stopped on the step before
+    is computed and dropped: it must not count as decoded (the progress bar's rate)."""
+    ref = hf_reference(qwen3_dir, prompts, 24)
+    llm = LLM(qwen3_dir, **BASE, kvcache_block_size=16, async_scheduling=True)
+    try:
+        seqs = [
+            llm.add_request(p, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[r[3]]))
+            for p, r in zip(prompts, ref)
+        ]
+        decoded = prefilled = 0
+        while not llm.is_finished():
+            result = llm.step()
+            decoded += result.num_decode_tokens
+            prefilled += result.num_prefill_tokens
+        assert [s.completion_token_ids for s in seqs] == [r[: r.index(r[3]) + 1] for r in ref]
+        # each sequence's first token comes from its prefill, every other one from a decode row
+        assert decoded == sum(len(s.completion_token_ids) - 1 for s in seqs)
+        assert prefilled == sum(map(len, prompts))
+    finally:
+        llm.exit()
