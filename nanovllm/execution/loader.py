@@ -39,15 +39,18 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 def load_model(model: nn.Module, path: str) -> None:
     """Copy every tensor of ``path/*.safetensors`` into ``model``, routing packed modules.
 
-    Raises ``FileNotFoundError`` when there are no weights and ``ValueError`` when a
-    parameter of the model received no weight.
+    Raises ``FileNotFoundError`` when there are no weights, and ``ValueError`` when a
+    parameter of the model received no weight or a tensor of the checkpoint has no place in
+    the model (a bias or norm we do not implement would otherwise be dropped silently).
     """
     files = sorted(glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
     packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(params)
     loaded: set[str] = set()
+    unused: list[str] = []
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
             for name in f.keys():
@@ -55,16 +58,26 @@ def load_model(model: nn.Module, path: str) -> None:
                     if source in name:
                         param_name = name.replace(source, target)
                         param = params.get(param_name)
-                        if param is not None:
+                        if param is None:
+                            unused.append(name)
+                        else:
                             param.weight_loader(param, f.get_tensor(name), shard_id)
                             loaded.add(param_name)
                         break
                 else:
                     param = params.get(name)
                     if param is None:
-                        continue  # e.g. a tied lm_head.weight, or rotary buffers of old checkpoints
+                        # a tied head's copy, or the rotary buffers of old checkpoints, carry nothing new
+                        if name not in tied and not name.endswith("rotary_emb.inv_freq"):
+                            unused.append(name)
+                        continue
                     getattr(param, "weight_loader", default_weight_loader)(param, f.get_tensor(name))
                     loaded.add(name)
+    if unused:
+        raise ValueError(
+            f"checkpoint {path!r} holds tensors this model has no place for: {sorted(unused)[:8]}; "
+            "nanovllm does not run a checkpoint it would read only in part"
+        )
     missing = set(params) - loaded
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for: {sorted(missing)[:8]}")

@@ -77,3 +77,28 @@ def test_dummy_weights_fill_every_parameter(qwen3_dir):
     for name, param in model.named_parameters():
         assert torch.isfinite(param).all(), name
         assert param.abs().max() <= (1.0 if "norm" in name else 0.05), name
+
+
+@pytest.mark.parametrize(
+    "extra",
+    ["model.layers.0.mlp.gate_proj.bias", "model.layers.1.self_attn.o_proj.bias", "model.extra_norm.weight"],
+)
+def test_a_tensor_the_model_has_no_place_for_is_refused_by_name(qwen3_dir, tmp_path, extra):
+    for name in os.listdir(qwen3_dir):
+        shutil.copy(os.path.join(qwen3_dir, name), tmp_path / name)
+    weights = load_file(os.path.join(qwen3_dir, "model.safetensors"))
+    weights[extra] = torch.ones(8)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=extra.replace(".", r"\.")):
+        build(str(tmp_path))
+
+
+def test_rotary_buffers_and_a_tied_head_copy_are_accepted(qwen2_dir, tmp_path):
+    for name in os.listdir(qwen2_dir):
+        shutil.copy(os.path.join(qwen2_dir, name), tmp_path / name)
+    weights = load_file(os.path.join(qwen2_dir, "model.safetensors"))
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    model = build(str(tmp_path))
+    torch.testing.assert_close(model.lm_head.weight, weights["model.embed_tokens.weight"], rtol=0, atol=0)
