@@ -42,6 +42,9 @@ class Config:
     async_scheduling: bool = True
     """Plan each decode step while the previous one runs on the device; with tensor
     parallelism steps run one after another."""
+    worker_timeout_s: float = 60.0
+    """How long rank 0 waits on a tensor-parallel worker (to read a step, or inside a step's
+    collectives) before it reports the worker stopped or hung; long enough for a first compile."""
     load_format: str = "auto"
     """"auto" loads ``*.safetensors``; "dummy" fills weights with random values."""
     seed: int = 0
@@ -126,6 +129,8 @@ class Config:
         bs = self.kvcache_block_size
         if bs < 1 or bs & (bs - 1):
             raise ValueError(f"kvcache_block_size must be a power of two, got {bs}")
+        if not self.worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "dummy"):

@@ -26,6 +26,12 @@ class Executor(Protocol):
         """Start one step; steps run in launch order."""
         ...
 
+    def recover(self) -> bool:
+        """After a step failed or was interrupted: make the next launch start from a consistent
+        state on every rank. Returns True when the KV cache's contents are lost by it, so that
+        cached prefixes must be forgotten."""
+        ...
+
     def close(self) -> None:
         """Stop workers and free device memory. Idempotent."""
         ...

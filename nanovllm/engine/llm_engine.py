@@ -121,6 +121,8 @@ class LLMEngine:
         """Drop every request and step in flight; their blocks return to the cache."""
         self.in_flight.clear()
         self.scheduler.abort_all()
+        if self.executor is not None and self.executor.recover():
+            self.scheduler.block_manager.forget_cached()
 
     def generate(
         self,

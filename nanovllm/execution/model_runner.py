@@ -68,18 +68,18 @@ class ModelRunner:
     Rank 0 returns sampled token ids; other ranks return None.
     """
 
-    def __init__(self, config: Config, rank: int, dist_init_method: str | None = None):
+    def __init__(self, config: Config, rank: int, store: dist.Store | None = None):
         self.config = config
         self.device = rank_device(config, rank)
         self.tp = TPGroup(rank, config.tensor_parallel_size)
         if self.tp.size > 1:
-            # a generous timeout turns a dead peer into an error instead of a hang
+            # a collective that waits longer than this on a stopped or hung peer fails
             dist.init_process_group(
                 "nccl" if self.device.type == "cuda" else "gloo",
-                init_method=dist_init_method,
+                store=store,
                 world_size=self.tp.size,
                 rank=rank,
-                timeout=timedelta(minutes=5),
+                timeout=timedelta(seconds=config.worker_timeout_s),
             )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

@@ -1,134 +1,221 @@
 """Drives one ModelRunner per tensor-parallel rank: rank 0 here, the rest in spawned workers.
 
-Rank 0 pickles each call into a shared-memory buffer and wakes the workers with one event
-each; every rank then runs the same step, meeting in the model's collectives. The buffer
-has a random name and the process group meets through a temporary file, so several engines
-can live on one machine.
+Rank 0 writes each step into a shared-memory channel and wakes the workers; every rank then
+runs the same step, meeting in the model's collectives. The ranks meet through a TCP store
+on a port the system picks, and the channel has a random name, so several engines can live
+on one machine. A step that fails on any rank leaves the others inside its collectives: the
+step's error is raised, and the next step starts the workers again.
 """
 
+import contextlib
+import logging
 import os
-import pickle
-import struct
-import tempfile
-from multiprocessing.shared_memory import SharedMemory
+import signal
+import threading
+import time
+from dataclasses import replace
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
 from nanovllm.execution.model_runner import ModelRunner, SampledTokens
+from nanovllm.execution.worker import Channel, connect_store, worker_main
 from nanovllm.scheduling import StepBatch
 
-SHM_BYTES = 1 << 24
+logger = logging.getLogger("nanovllm")
+START_TIMEOUT_S = 300.0
+EXIT_TIMEOUT_S = 5.0
 
 
-def _worker_main(config: Config, rank: int, init_method: str, shm_name: str, event) -> None:
-    runner = ModelRunner(config, rank, init_method)
-    shm = SharedMemory(name=shm_name)
+@contextlib.contextmanager
+def sigint_deferred():
+    """Hold Ctrl-C until the block ends, so that no rank is left alone inside a collective."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     try:
-        while True:
-            event.wait()
-            (size,) = struct.unpack_from("<I", shm.buf, 0)
-            method, args = pickle.loads(shm.buf[4 : 4 + size])
-            event.clear()
-            if method == "exit":
-                break
-            getattr(runner, method)(*args)
+        yield
     finally:
-        runner.close()
-        shm.close()
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            else:
+                raise KeyboardInterrupt
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of a process ("T": stopped), or "" where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 class TPExecutor:
-    """The engine's executor: one :class:`ModelRunner` per rank, driven from this process."""
+    """The engine's executor (see ``nanovllm.engine.executor``) over ``tensor_parallel_size``
+    ranks; with one rank it simply drives the local runner."""
 
     def __init__(self, config: Config):
         self.size = config.tensor_parallel_size
         # only rank 0 holds the sampled tokens a step planned ahead would read
         self.supports_async_scheduling = self.size == 1
-        self.shm = None
+        self.timeout_s = config.worker_timeout_s
         self.procs: list = []
-        self.events: list = []
-        self.init_file = None
-        init_method = None
-        if self.size > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                raise ValueError(
-                    "this process already drives a tensor-parallel engine; start another engine with "
-                    "tensor_parallel_size > 1 in a separate process"
-                )
-            fd, self.init_file = tempfile.mkstemp(prefix="nanovllm-dist-")
-            os.close(fd)
-            os.unlink(self.init_file)  # the file store creates it
-            init_method = f"file://{self.init_file}"
-            self.shm = SharedMemory(create=True, size=SHM_BYTES)
-            ctx = mp.get_context("spawn")
-            for rank in range(1, self.size):
-                event = ctx.Event()
-                proc = ctx.Process(
-                    target=_worker_main, args=(config, rank, init_method, self.shm.name, event), daemon=True
-                )
-                proc.start()
-                self.procs.append(proc)
-                self.events.append(event)
+        self.wakes: list = []
+        self.channel: Channel | None = None
+        self.store = None
+        self.runner: ModelRunner | None = None
+        self.broken = False
         try:
-            self.runner = ModelRunner(config, 0, init_method)
+            self._start(config)
         except BaseException:
             self.close()
             raise
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+        self.config = config
 
-    def _check_workers(self) -> None:
+    # --- start and stop ------------------------------------------------------------------
+    def _start(self, config: Config) -> None:
+        if self.size > 1:
+            if dist.is_initialized():  # torch keeps one default process group per process
+                raise ValueError(
+                    "this process already drives a tensor-parallel engine; start another engine with "
+                    "tensor_parallel_size > 1 in a separate process"
+                )
+            self.store = connect_store(0, self.size, self.timeout_s, is_master=True)
+            self.channel = Channel(self.size - 1)
+            ctx = mp.get_context("spawn")
+            started = []
+            for rank in range(1, self.size):
+                wake, ready = ctx.Semaphore(0), ctx.Semaphore(0)
+                args = (config, rank, self.store.port, self.channel.name, wake, ready, os.getpid())
+                proc = ctx.Process(target=worker_main, args=args, daemon=True)
+                proc.start()
+                self.procs.append(proc)
+                self.wakes.append(wake)
+                started.append(ready)
+            self._wait_started(started)
+        self.runner = ModelRunner(config, 0, self.store)
+
+    def _wait_started(self, started: list) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank, (proc, ready) in enumerate(zip(self.procs, started), start=1):
+            while not ready.acquire(timeout=0.05):
+                if not proc.is_alive():
+                    raise RuntimeError(
+                        f"tensor-parallel worker {rank} exited while starting (exit code {proc.exitcode}; "
+                        "its error is printed above). Workers are spawned and import the main module "
+                        'again: a script that creates an LLM needs an `if __name__ == "__main__":` guard'
+                    )
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"tensor-parallel worker {rank} did not start in {START_TIMEOUT_S:.0f} s"
+                    )
+
+    def _stop_workers(self, wait: bool) -> None:
+        if self.procs and wait and self.channel is not None and all(p.is_alive() for p in self.procs):
+            with contextlib.suppress(RuntimeError):
+                self._send("exit", ())
+        deadline = time.monotonic() + (EXIT_TIMEOUT_S if wait else 0)
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.procs, self.wakes = [], []
+
+    def close(self) -> None:
+        """Stop the workers; free the model, KV cache, channel and process group. Idempotent."""
+        self._stop_workers(wait=not self.broken)
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+        if self.channel is not None:
+            self.channel.close(unlink=True)
+            self.channel = None
+        self.store = None
+
+    def _restart(self) -> None:
+        logger.warning("nanovllm: starting the tensor-parallel workers again after a failed step")
+        self.close()
+        self.broken = False
+        try:  # as many KV blocks as before: the engine's block manager counts on them
+            self._start(replace(self.config, num_kvcache_blocks=self.num_kvcache_blocks))
+        except BaseException:
+            self.close()
+            raise
+
+    def recover(self) -> bool:
+        """A failed step may have left workers inside its collectives: they are started again
+        (with a fresh KV cache) at the next launch. Returns whether that will happen."""
+        return self.broken
+
+    # --- one step --------------------------------------------------------------------------
+    def _wait_until_read(self) -> None:
+        """Wait until every worker has read the last command (a stopped one is reported)."""
+        deadline = time.monotonic() + self.timeout_s
+        while lagging := self.channel.lagging():
+            self._raise_if_dead()
+            if time.monotonic() > deadline:
+                raise self._unresponsive(lagging[0] + 1)
+            time.sleep(0.0002)
+
+    def _send(self, method: str, args: tuple) -> None:
+        self._wait_until_read()
+        self.channel.write(method, args)
+        for wake in self.wakes:
+            wake.release()
+
+    def _raise_if_dead(self) -> None:
         for rank, proc in enumerate(self.procs, start=1):
             if not proc.is_alive():
                 raise RuntimeError(f"tensor-parallel worker {rank} died (exit code {proc.exitcode})")
 
+    def _unresponsive(self, rank: int) -> RuntimeError:
+        pid = self.procs[rank - 1].pid
+        why = "is stopped (SIGSTOP?)" if process_state(pid) == "T" else "is hung"
+        return RuntimeError(
+            f"tensor-parallel worker {rank} (pid {pid}) {why}: no answer in {self.timeout_s:.0f} s "
+            "(worker_timeout_s)"
+        )
+
+    def _explain(self, error: BaseException) -> BaseException:
+        """The step's error, or what it really means when a worker died or stopped."""
+        if not isinstance(error, Exception):
+            return error
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive():
+                return RuntimeError(f"tensor-parallel worker {rank} died (exit code {proc.exitcode})")
+            if process_state(proc.pid) == "T":
+                return self._unresponsive(rank)
+        return error
+
     def launch(self, batch: StepBatch) -> SampledTokens:
         """Start one step on every rank; returns rank 0's handle on its sampled tokens."""
-        return self._call("launch", batch)
-
-    def _call(self, method: str, *args):
-        """Run ``method`` on every rank; returns rank 0's result."""
-        if self.procs:
-            self._check_workers()
-            data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
-            if len(data) + 4 > SHM_BYTES:
-                raise RuntimeError(f"step of {len(data)} bytes exceeds the {SHM_BYTES}-byte worker buffer")
-            struct.pack_into("<I", self.shm.buf, 0, len(data))
-            self.shm.buf[4 : 4 + len(data)] = data
-            for event in self.events:
-                event.set()
+        if self.runner is None:
+            raise RuntimeError("this executor has been closed")
+        if self.size == 1:
+            return self.runner.launch(batch)
+        if self.broken:
+            self._restart()
         try:
-            return getattr(self.runner, method)(*args)
-        except Exception:
-            self._check_workers()
+            self._wait_until_read()
+        except RuntimeError:
+            self.broken = True
             raise
-
-    def close(self) -> None:
-        """Stop the workers and release shared memory, graphs and the process group."""
-        if self.procs:
-            alive = [p for p in self.procs if p.is_alive()]
-            if alive and self.shm is not None:
-                data = pickle.dumps(("exit", ()))
-                struct.pack_into("<I", self.shm.buf, 0, len(data))
-                self.shm.buf[4 : 4 + len(data)] = data
-                for event in self.events:
-                    event.set()
-            for proc in self.procs:
-                proc.join(timeout=30)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-            self.procs = []
-        runner = getattr(self, "runner", None)
-        if runner is not None:
-            runner.close()
-            self.runner = None
-        if self.shm is not None:
-            self.shm.close()
-            self.shm.unlink()
-            self.shm = None
-        if self.init_file and os.path.exists(self.init_file):
-            os.unlink(self.init_file)
-        self.init_file = None
+        # from here to the end of rank 0's part every rank must run the step: a Ctrl-C waits
+        with sigint_deferred():
+            try:
+                self._send("launch", (batch,))
+                return self.runner.launch(batch)
+            except BaseException as error:
+                self.broken = True
+                explained = self._explain(error)
+                if explained is error:
+                    raise
+                raise explained from error

@@ -123,6 +123,12 @@ class BlockManager:
                 block.ref_count = 0
                 self.free_block_ids[block.block_id] = None
 
+    def forget_cached(self) -> None:
+        """Drop every block's hash: their KV contents are gone (the cache was allocated anew)."""
+        self.hash_to_block.clear()
+        for block in self.blocks:
+            block.hash, block.prev_hash, block.token_ids = -1, -1, []
+
     def has_slot(self, seq: Sequence, lookahead: int = 0) -> bool:
         """Whether ``seq``'s blocks already hold ``len(seq) + lookahead`` tokens."""
         return len(seq.block_table) * self.block_size >= len(seq) + lookahead
