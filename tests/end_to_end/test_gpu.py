@@ -108,3 +108,29 @@ def test_long_context_decode_with_graphs(gpu_model_dir):
     from tests.conftest import hf_greedy
 
     assert out[0]["token_ids"] == hf_greedy(gpu_model_dir, [prompt], 8)[0]
+
+
+def test_interrupted_generate_then_correct_with_graphs_and_async(
+    gpu_model_dir, prompts, hf_reference, monkeypatch
+):
+    from nanovllm.execution.model_runner import SampledTokens
+
+    llm = gpu_llm(gpu_model_dir, "triton", False, async_scheduling=True)
+    try:
+        tolist, calls = SampledTokens.tolist, [0]
+
+        def interrupted(self):
+            calls[0] += 1
+            if calls[0] == 5:  # a decode step is in flight and the next one planned ahead
+                raise KeyboardInterrupt
+            return tolist(self)
+
+        monkeypatch.setattr(SampledTokens, "tolist", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+        monkeypatch.undo()
+        assert llm.scheduler.block_manager.num_free_blocks == llm.num_kvcache_blocks
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o["token_ids"] for o in outs] == hf_reference(gpu_model_dir, prompts, 32)
+    finally:
+        llm.exit()
