@@ -193,6 +193,11 @@ class TPExecutor:
                 return RuntimeError(f"tensor-parallel worker {rank} died (exit code {proc.exitcode})")
             if process_state(proc.pid) == "T":
                 return self._unresponsive(rank)
+        if "timed out" in str(error).lower():
+            return RuntimeError(
+                f"a tensor-parallel worker is hung: no answer in a step's collective for "
+                f"{self.timeout_s:.0f} s (worker_timeout_s)"
+            )
         return error
 
     def launch(self, batch: StepBatch) -> SampledTokens:

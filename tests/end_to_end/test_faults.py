@@ -149,7 +149,9 @@ def test_a_stopped_worker_is_named_within_the_timeout(llm, prompts, check_whole,
 
 
 def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    """Shared-memory segments and named semaphores, and our temporary files."""
+    tmp = {f"/tmp/{n}" for n in os.listdir("/tmp") if n.startswith("nanovllm")}
+    return set(os.listdir("/dev/shm")) | tmp
 
 
 DRIVER = """

@@ -53,3 +53,20 @@ def test_engines_created_and_dropped_do_not_pile_up(qwen3_dir, prompts):
         sizes.append(rss_mib())
     # one engine's cache is 256 MiB: five more engines must not have kept theirs
     assert sizes[-1] - sizes[0] < 128, sizes
+
+
+def test_example_runs_and_leaves_no_temporary_folder(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.getcwd()}
+    res = subprocess.run(
+        [sys.executable, "example.py", "--model", str(tmp_path / "absent"), "--max-tokens", "4"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.count("Completion:") == 2
+    assert os.listdir(tmp_path) == []
