@@ -193,9 +193,10 @@ class TPExecutor:
                 return RuntimeError(f"tensor-parallel worker {rank} died (exit code {proc.exitcode})")
             if process_state(proc.pid) == "T":
                 return self._unresponsive(rank)
-        if "timed out" in str(error).lower():
+        if "timed out" in str(error).lower():  # alive and running, yet silent
+            who = "worker 1" if len(self.procs) == 1 else "a worker"
             return RuntimeError(
-                f"a tensor-parallel worker is hung: no answer in a step's collective for "
+                f"tensor-parallel {who} is hung: no answer in a step's collective for "
                 f"{self.timeout_s:.0f} s (worker_timeout_s)"
             )
         return error
