@@ -107,6 +107,5 @@ def write_demo_model(path: str) -> str:
         tie_word_embeddings=False,
         eos_token_id=eos,
         dtype="float32",
-        torch_dtype="float32",
     )
     return path

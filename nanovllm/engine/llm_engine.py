@@ -79,10 +79,14 @@ class LLMEngine:
                 f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
             )
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
+    def _new_sequence(self, i: int, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
+        """Prompt ``i`` as a checked sequence, not yet queued."""
         token_ids = self._to_token_ids(prompt)
-        self._validate(0, token_ids)
-        seq = Sequence(next(self.seq_ids), token_ids, sampling_params)
+        self._validate(i, token_ids)
+        return Sequence(next(self.seq_ids), token_ids, sampling_params)
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
+        seq = self._new_sequence(0, prompt, sampling_params)
         self.scheduler.add(seq)
         return seq
 
@@ -141,11 +145,8 @@ class LLMEngine:
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         if not all(isinstance(p, SamplingParams) for p in sampling_params):
             raise ValueError("sampling_params must be SamplingParams or a list of them")
-        token_ids = [self._to_token_ids(p) for p in prompts]
-        for i, ids in enumerate(token_ids):
-            self._validate(i, ids)
-        seqs = [Sequence(next(self.seq_ids), ids, sp) for ids, sp in zip(token_ids, sampling_params)]
-        for seq in seqs:
+        seqs = [self._new_sequence(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+        for seq in seqs:  # queued only once every prompt passed its checks
             self.scheduler.add(seq)
         bar = ProgressBar(len(seqs), enabled=use_tqdm)
         try:

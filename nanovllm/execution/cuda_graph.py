@@ -53,10 +53,6 @@ class DecodeGraphs:
                 self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    @property
-    def max_batch_size(self) -> int:
-        return self.batch_sizes[-1]
-
     def replay(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:

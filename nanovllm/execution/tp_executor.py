@@ -120,7 +120,8 @@ class TPExecutor:
     def _stop_workers(self, wait: bool) -> None:
         if self.procs and wait and self.channel is not None and all(p.is_alive() for p in self.procs):
             with contextlib.suppress(RuntimeError):
-                self._send("exit", ())
+                self._wait_until_read()
+                self._post("exit", ())
         deadline = time.monotonic() + (EXIT_TIMEOUT_S if wait else 0)
         for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -165,16 +166,21 @@ class TPExecutor:
                 raise self._unresponsive(lagging[0] + 1)
             time.sleep(0.0002)
 
-    def _send(self, method: str, args: tuple) -> None:
-        self._wait_until_read()
+    def _post(self, method: str, args: tuple) -> None:
+        """Write a command (every worker has read the last one) and wake the workers."""
         self.channel.write(method, args)
         for wake in self.wakes:
             wake.release()
 
-    def _raise_if_dead(self) -> None:
+    def _dead_worker(self) -> RuntimeError | None:
         for rank, proc in enumerate(self.procs, start=1):
             if not proc.is_alive():
-                raise RuntimeError(f"tensor-parallel worker {rank} died (exit code {proc.exitcode})")
+                return RuntimeError(f"tensor-parallel worker {rank} died (exit code {proc.exitcode})")
+        return None
+
+    def _raise_if_dead(self) -> None:
+        if error := self._dead_worker():
+            raise error
 
     def _unresponsive(self, rank: int) -> RuntimeError:
         pid = self.procs[rank - 1].pid
@@ -188,9 +194,9 @@ class TPExecutor:
         """The step's error, or what it really means when a worker died or stopped."""
         if not isinstance(error, Exception):
             return error
+        if dead := self._dead_worker():
+            return dead
         for rank, proc in enumerate(self.procs, start=1):
-            if not proc.is_alive():
-                return RuntimeError(f"tensor-parallel worker {rank} died (exit code {proc.exitcode})")
             if process_state(proc.pid) == "T":
                 return self._unresponsive(rank)
         if "timed out" in str(error).lower():  # alive and running, yet silent
@@ -217,7 +223,7 @@ class TPExecutor:
         # from here to the end of rank 0's part every rank must run the step: a Ctrl-C waits
         with sigint_deferred():
             try:
-                self._send("launch", (batch,))
+                self._post("launch", (batch,))
                 return self.runner.launch(batch)
             except BaseException as error:
                 self.broken = True

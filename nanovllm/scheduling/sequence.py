@@ -59,14 +59,6 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 

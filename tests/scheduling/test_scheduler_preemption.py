@@ -68,7 +68,7 @@ def test_preempting_a_sequence_that_shares_a_prefix_keeps_the_shared_blocks():
     while h.sched.num_preemptions == 0:
         b_old = list(b.block_table)
         h.step()
-    assert len(b_old) == 4 and b.num_tokens == 9  # b computed 8 tokens: 4 full hashed blocks
+    assert len(b_old) == 4 and len(b) == 9  # b computed 8 tokens: 4 full hashed blocks
     # a ran out of blocks; b (the newest) was preempted, dropping only its references
     assert b.status == SequenceStatus.WAITING and b.block_table == []
     assert a.status == SequenceStatus.RUNNING and a.block_table[:2] == shared
