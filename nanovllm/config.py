@@ -39,9 +39,12 @@ class Config:
     device: str = "auto"
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    mixed_steps: bool = True
+    """Let prompt chunks share a step with the running decodes under the token budget, so
+    decodes never stop for a prompt; off, prompt work runs in steps of its own, first."""
     async_scheduling: bool = True
-    """Plan each decode step while the previous one runs on the device; with tensor
-    parallelism steps run one after another."""
+    """Plan each step while the previous one runs on the device; with tensor parallelism
+    steps run one after another."""
     worker_timeout_s: float = 60.0
     """How long rank 0 waits on a tensor-parallel worker (to read a step, or inside a step's
     collectives) before it reports the worker stopped or hung; long enough for a first compile."""

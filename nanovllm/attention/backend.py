@@ -31,6 +31,13 @@ class AttentionMetadata:
     max_seqlen_k: int = 0
     has_prefix: bool = False
     """True when some sequence attends to keys computed in an earlier step."""
+    decode: "AttentionMetadata | None" = None
+    """In a step that mixes both, the decode rows (one query each), which come first: then
+    ``slot_mapping`` covers every token, and the other fields describe the prompt rows only."""
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return 0 if self.decode is None else self.decode.context_lens.shape[0]
 
     def _row_fields(self) -> list[tuple[str, int]]:
         """(name, padding value) of every tensor field set in this instance."""

@@ -46,6 +46,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_model_len,
             list(config.eos_token_ids),
+            config.mixed_steps,
         )
         self.in_flight: deque[InFlightStep] = deque()
         self.seq_ids = count()
@@ -96,8 +97,8 @@ class LLMEngine:
     def step(self) -> StepResult:
         """Run one step: plan and launch it, then collect its tokens.
 
-        With ``async_scheduling``, a decode step is followed at once by the next one, planned
-        before the first one's tokens are back, so host work overlaps device work.
+        With ``async_scheduling``, a step is followed at once by the next one, planned before
+        the first one's tokens are back, so host work overlaps device work.
         """
         if self.executor is None:
             raise RuntimeError("this engine has been shut down")
@@ -109,14 +110,16 @@ class LLMEngine:
             if ahead is not None:
                 self._launch(ahead)
         done = self.in_flight.popleft()
-        step = done.step
-        if step.is_prefill:
-            finished = self.scheduler.postprocess(step, done.tokens.tolist())
-            return StepResult(finished, num_prefill_tokens=step.num_tokens)
-        # a planned-ahead row whose sequence ended on the step before computed nothing kept
-        num_kept = sum(not seq.is_finished for seq in step.seqs)
+        step, batch = done.step, done.step.batch
+        d = batch.num_decode_rows
+        num_prefill, num_decode = sum(batch.num_tokens[d:]), 0
+        for seq, start in zip(step.seqs[:d], batch.start_positions[:d]):
+            if start < seq.num_prompt_tokens:
+                num_prefill += 1  # the last token of a prompt
+            elif not seq.is_finished:  # else a planned-ahead row of a sequence that just ended
+                num_decode += 1
         finished = self.scheduler.postprocess(step, done.tokens.tolist())
-        return StepResult(finished, num_decode_tokens=num_kept)
+        return StepResult(finished, num_prefill, num_decode)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self.in_flight

@@ -42,16 +42,16 @@ def rank_device(config: Config, rank: int) -> torch.device:
     return torch.device("cuda", int(config.device.removeprefix("cuda:")) + rank)
 
 
-def dummy_batch(lens: list[int], block_size: int, prefix: int = 0, is_prefill: bool = True) -> StepBatch:
+def dummy_batch(lens: list[int], block_size: int, prefix: int = 0) -> StepBatch:
     """Rows 0.. computing ``lens`` zero tokens after ``prefix`` cached ones, every block id 0,
-    sampled at temperature 1."""
-    n = len(lens)
+    sampled at temperature 1; rows of one token go first, as decodes."""
+    lens = sorted(lens, key=lambda n: n > 1)
     return StepBatch(
-        is_prefill=is_prefill,
-        rows=list(range(n)),
-        num_tokens=list(lens),
+        rows=list(range(len(lens))),
+        num_tokens=lens,
         token_ids=[0] * sum(lens),
-        start_positions=[prefix] * n,
+        start_positions=[prefix] * len(lens),
+        num_decode_rows=lens.count(1),
         new_rows=[
             NewRow(row, prefix + length, SamplingParams(temperature=1.0)) for row, length in enumerate(lens)
         ],
@@ -119,16 +119,17 @@ class ModelRunner:
             placeholder.release()
 
     def _warm_up(self) -> None:
-        """Compile, before the first request waits for it, what prefill steps run: the
-        kernels with and without a cached prefix, and the sampler."""
+        """Compile, before the first request waits for it, what eager steps run: prompt
+        chunks with and without a cached prefix, alone and mixed with decodes, and the sampler."""
         n = max(1, min(16, self.config.max_model_len // 2))
         for prefix in (0, n):
-            self.run(dummy_batch([n, n], self.config.kvcache_block_size, prefix))
+            for lens in ([n, n], [1, 1, n]):
+                self.run(dummy_batch(lens, self.config.kvcache_block_size, prefix))
         torch.cuda.synchronize()
 
     def _capture_decode_graphs(self) -> DecodeGraphs:
         n = self.config.max_num_seqs
-        example = dummy_batch([1] * n, self.config.kvcache_block_size, is_prefill=False)
+        example = dummy_batch([1] * n, self.config.kvcache_block_size)
         inputs = self.inputs.build(example, with_sampling=False)
         return DecodeGraphs(self.model, inputs.input_ids, inputs.positions, inputs.meta, n)
 
@@ -137,12 +138,15 @@ class ModelRunner:
     def launch(self, batch: StepBatch) -> SampledTokens | None:
         """Enqueue one step on the device; rank 0 gets a handle on the sampled tokens."""
         inputs = self.inputs.build(batch, with_sampling=self.tp.rank == 0)
-        input_ids = self.last_sampled[inputs.input_ids] if inputs.from_previous else inputs.input_ids
-        if not batch.is_prefill and self.graphs is not None:
+        input_ids = inputs.input_ids
+        if inputs.previous_sample_rows is not None:
+            previous = self.last_sampled[inputs.previous_sample_rows]
+            input_ids = torch.cat((previous, input_ids)) if input_ids.numel() else previous
+        if batch.is_decode and self.graphs is not None:
             hidden = self.graphs.replay(input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(input_ids, inputs.positions, inputs.meta)
-            if batch.is_prefill:
+            if not batch.is_decode:
                 hidden = hidden[inputs.last_token_index]
         logits = self.model.compute_logits(hidden)
         if self.tp.rank != 0:

@@ -21,13 +21,14 @@ _TORCH_DTYPES = {
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
-    """Token ids; with ``from_previous``, rows of the previous step's sampled tokens."""
-    from_previous: bool
+    """Token ids of the rows after the first ``len(previous_sample_rows)``."""
+    previous_sample_rows: torch.Tensor | None
+    """Rows of the previous step's sampled tokens: the inputs of this step's first rows."""
     positions: torch.Tensor
     meta: AttentionMetadata
     sampling: SamplingTensors | None
     last_token_index: torch.Tensor | None
-    """Prefill: where each row's last token is, whose hidden state gives its logits."""
+    """With prompt chunks: where each row's last token is, whose hidden state gives its logits."""
 
 
 class StepInputBuilder:
@@ -66,55 +67,55 @@ class StepInputBuilder:
         return out
 
     def build(self, batch: StepBatch, with_sampling: bool = True) -> StepInputs:
-        bs, n = self.block_size, len(batch)
+        bs, n, d = self.block_size, len(batch), batch.num_decode_rows
         rows = np.asarray(batch.rows, dtype=np.int64)
         stale_rows = self.block_tables.update(batch.block_table_updates)
         self.sampling_rows.update(batch.new_rows)
         starts = np.asarray(batch.start_positions, dtype=np.int64)
         q_lens = np.asarray(batch.num_tokens, dtype=np.int64)
-        if batch.is_prefill:
+        if batch.is_decode:
+            row_of_token, positions = np.arange(n), starts
+        else:
             row_of_token = np.repeat(np.arange(n), q_lens)
             cu_q = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(q_lens, out=cu_q[1:])
             positions = np.arange(cu_q[-1]) - cu_q[:-1][row_of_token] + starts[row_of_token]
-        else:
-            row_of_token, positions = np.arange(n), starts
         context_lens = starts + q_lens
         blocks = self.block_tables.host[rows[row_of_token], positions // bs].astype(np.int64)
-        from_previous = batch.previous_sample_rows is not None
         arrays = {
             # first, at storage offset 0: the compiled rotary embedding guards on its offset
             "positions": positions,
-            "input_ids": np.asarray(
-                batch.previous_sample_rows if from_previous else batch.token_ids, dtype=np.int64
-            ),
+            "input_ids": np.asarray(batch.token_ids, dtype=np.int64),
             "slots": blocks * bs + positions % bs,
             "rows": rows,
             "context_lens": context_lens.astype(np.int32),
         }
+        if batch.previous_sample_rows:
+            arrays["previous_sample_rows"] = np.asarray(batch.previous_sample_rows, dtype=np.int64)
         if stale_rows.size:
             arrays["stale_rows"] = stale_rows
             arrays["stale_tables"] = self.block_tables.host[stale_rows]
-        if batch.is_prefill:
-            cu_k = np.zeros(n + 1, dtype=np.int32)
-            np.cumsum(context_lens, out=cu_k[1:])
-            arrays.update(cu_q=cu_q.astype(np.int32), cu_k=cu_k, last_token_index=cu_q[1:] - 1)
+        if not batch.is_decode:  # the prompt rows, after the decode rows (one token each)
+            cu_k = np.zeros(n - d + 1, dtype=np.int32)
+            np.cumsum(context_lens[d:], out=cu_k[1:])
+            arrays.update(cu_q=(cu_q[d:] - d).astype(np.int32), cu_k=cu_k, last_token_index=cu_q[1:] - 1)
         if with_sampling:
             arrays.update(self.sampling_rows.arrays(rows, context_lens - 1))
         dev = self._upload(arrays)
         if stale_rows.size:
             self.block_tables.write_rows(dev["stale_rows"], dev["stale_tables"])
-        meta = AttentionMetadata(
-            is_prefill=batch.is_prefill,
-            slot_mapping=dev["slots"],
-            context_lens=dev["context_lens"],
-            block_tables=self.block_tables.gather(dev["rows"]),
-            cu_seqlens_q=dev.get("cu_q"),
-            cu_seqlens_k=dev.get("cu_k"),
-            max_seqlen_q=int(q_lens.max()),
-            max_seqlen_k=int(context_lens.max()),
-            has_prefix=bool(starts.any()),
-        )
+        block_tables = self.block_tables.gather(dev["rows"])
+        if batch.is_decode:
+            meta = AttentionMetadata(
+                is_prefill=False,
+                slot_mapping=dev["slots"],
+                context_lens=dev["context_lens"],
+                block_tables=block_tables,
+                max_seqlen_k=int(context_lens.max()),
+                has_prefix=bool(starts.any()),
+            )
+        else:
+            meta = self._mixed_metadata(dev, block_tables, d, starts, q_lens, context_lens)
         sampling = None
         if with_sampling:
             sampling = SamplingTensors(
@@ -127,5 +128,37 @@ class StepInputBuilder:
                 all_greedy=not arrays["temperatures"].any(),
             )
         return StepInputs(
-            dev["input_ids"], from_previous, dev["positions"], meta, sampling, dev.get("last_token_index")
+            dev["input_ids"],
+            dev.get("previous_sample_rows"),
+            dev["positions"],
+            meta,
+            sampling,
+            dev.get("last_token_index"),
+        )
+
+    @staticmethod
+    def _mixed_metadata(dev, block_tables, d, starts, q_lens, context_lens) -> AttentionMetadata:
+        """Prompt rows described from row ``d`` on; the ``d`` decode rows before them, if any,
+        in a metadata of their own."""
+        decode = None
+        if d:
+            decode = AttentionMetadata(
+                is_prefill=False,
+                slot_mapping=dev["slots"][:d],
+                context_lens=dev["context_lens"][:d],
+                block_tables=block_tables[:d],
+                max_seqlen_k=int(context_lens[:d].max()),
+                has_prefix=bool(starts[:d].any()),
+            )
+        return AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=dev["slots"],
+            context_lens=dev["context_lens"][d:],
+            block_tables=block_tables[d:],
+            cu_seqlens_q=dev["cu_q"],
+            cu_seqlens_k=dev["cu_k"],
+            max_seqlen_q=int(q_lens[d:].max()),
+            max_seqlen_k=int(context_lens[d:].max()),
+            has_prefix=bool(starts[d:].any()),
+            decode=decode,
         )

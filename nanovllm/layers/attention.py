@@ -26,7 +26,13 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: ``[tokens, heads, head_dim]``; k, v: ``[tokens, kv_heads, head_dim]``."""
-        self.backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if meta.is_prefill:
-            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        return self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)
+        backend = self.backend
+        backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if not meta.is_prefill:
+            return backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)
+        d = meta.num_decode_tokens
+        if not d:
+            return backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        decoded = backend.decode(q[:d], self.k_cache, self.v_cache, meta.decode, self.scale)
+        prefilled = backend.prefill(q[d:], k[d:], v[d:], self.k_cache, self.v_cache, meta, self.scale)
+        return torch.cat((decoded, prefilled))

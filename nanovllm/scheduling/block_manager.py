@@ -136,11 +136,22 @@ class BlockManager:
     def append_slot(self, seq: Sequence, lookahead: int = 0) -> bool:
         """Make room for ``len(seq) + lookahead`` tokens (at most one new block); returns
         False when that needs a block and none is free."""
-        if self.has_slot(seq, lookahead):
-            return True
+        if len(seq.block_table) * self.block_size >= len(seq.token_ids) + lookahead:
+            return True  # has_slot, inlined: this runs for every decode of every step
         if not self.free_block_ids:
             return False
         seq.block_table.append(self._take_free_block())
+        return True
+
+    def append_slots(self, seqs: list[Sequence], lookahead: int = 0) -> bool:
+        """:meth:`append_slot` for each of ``seqs``, all or none: False, taking no block, when
+        too few are free."""
+        bs = self.block_size
+        short = [s for s in seqs if len(s.block_table) * bs < len(s.token_ids) + lookahead]
+        if len(short) > len(self.free_block_ids):
+            return False
+        for seq in short:
+            seq.block_table.append(self._take_free_block())
         return True
 
     def commit_computed(self, seq: Sequence) -> None:

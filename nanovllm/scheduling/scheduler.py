@@ -10,9 +10,10 @@ from nanovllm.scheduling.step import ScheduledStep
 class Scheduler:
     """Waiting and running queues over a :class:`BlockManager`. No torch here.
 
-    A step is either a prefill step (new prompts, prompt chunks, recomputation after
-    preemption) or a decode step (one token for every running sequence). Prefill goes
-    first; a prompt larger than the remaining token budget is split over several steps.
+    Each step spends a token budget: first one token for every running sequence that
+    decodes, then prompt chunks (prompts under way, recomputation after preemption, newly
+    admitted prompts); a prompt larger than what is left of the budget is split over steps.
+    With ``mixed_steps`` off, prompt work runs in steps of its own, before any decode.
     Each running sequence holds one of ``max_num_seqs`` rows, under which the executor
     keeps its per-sequence state (such as the block table) from step to step.
     """
@@ -24,12 +25,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: list[int],
+        mixed_steps: bool = True,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.mixed_steps = mixed_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -42,23 +45,114 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def schedule(self) -> ScheduledStep:
-        """Pick this step's sequences, set their ``num_scheduled_tokens`` and plan the step."""
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            return ScheduledStep.plan(scheduled, is_prefill=True)
-        scheduled = self._schedule_decode()
-        if not scheduled:
+        """Plan the next step with every token known (no step in flight); may preempt."""
+        step = self._plan(None)
+        if step is None:
             raise RuntimeError("scheduler made no progress: no sequence fits the KV cache")
-        return ScheduledStep.plan(scheduled, is_prefill=False)
+        return step
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
+    def schedule_ahead(self, in_flight: ScheduledStep) -> ScheduledStep | None:
+        """Plan the step after ``in_flight`` before its sampled tokens are known.
+
+        A sequence whose next token is in flight decodes it, unless that token surely ends it;
+        a prompt goes on after its chunk in flight. Returns None when the step needs the
+        scheduler's full decision (a block is short: someone must be preempted) or when
+        nothing would run.
+        """
+        return self._plan(in_flight)
+
+    def _plan(self, in_flight: ScheduledStep | None) -> ScheduledStep | None:
+        from_previous, decodes, continuing = self._classify_running(in_flight)
         budget = self.max_num_batched_tokens
+        if not self.mixed_steps:  # prompt work first, in steps of its own
+            chunks = self._prompt_chunks(continuing, budget, admit=True)
+            if chunks:
+                return ScheduledStep.plan([], [], chunks)
+            continuing = []
+        if len(from_previous) + len(decodes) > budget:
+            from_previous = from_previous[:budget]
+            decodes = decodes[: budget - len(from_previous)]
+        preempted = False
+        if in_flight is not None:
+            if not self._reserve_ahead(from_previous, decodes):
+                return None
+        else:
+            num_preemptions = self.num_preemptions
+            decodes = self._append_slots_preempting(decodes)
+            preempted = self.num_preemptions > num_preemptions
+            if preempted:
+                continuing = [
+                    (seq, start) for seq, start in continuing if seq.status == SequenceStatus.RUNNING
+                ]
+        budget -= len(from_previous) + len(decodes)
+        chunks = self._prompt_chunks(continuing, budget, admit=not preempted)
+        if not from_previous and not decodes and not chunks:
+            return None
+        return ScheduledStep.plan(from_previous, decodes, chunks)
+
+    def _classify_running(
+        self, in_flight: ScheduledStep | None
+    ) -> tuple[list[tuple[Sequence, int]], list[Sequence], list[tuple[Sequence, int]]]:
+        """Split the running sequences by what they compute next: ``(seq, row in flight)``
+        for a token in flight, a known last token, ``(seq, start)`` for more prompt."""
+        from_previous, decodes, continuing = [], [], []
+        if in_flight is None:
+            for seq in self.running:
+                start = seq.num_computed_tokens
+                if start == len(seq.token_ids) - 1:
+                    decodes.append(seq)
+                else:
+                    continuing.append((seq, start))
+            return from_previous, decodes, continuing
+        in_flight_rows = {seq.seq_id: i for i, seq in enumerate(in_flight.seqs)}
+        in_flight_tokens, max_model_len = in_flight.batch.num_tokens, self.max_model_len
         for seq in self.running:
-            if budget and seq.is_prefilling:
-                budget -= self._take_chunk(seq, budget)
-                scheduled.append(seq)
-        while self.waiting and budget and len(self.running) < self.max_num_seqs:
+            row = in_flight_rows.get(seq.seq_id, -1)
+            length = len(seq.token_ids)
+            start = seq.num_computed_tokens + (in_flight_tokens[row] if row >= 0 else 0)
+            if start == length:  # its next token is in flight; skip it if that token surely ends it
+                if length - seq.num_prompt_tokens + 1 < seq.params.max_tokens and length + 1 < max_model_len:
+                    from_previous.append((seq, row))
+            elif start == length - 1:
+                decodes.append(seq)
+            else:
+                continuing.append((seq, start))
+        return from_previous, decodes, continuing
+
+    def _reserve_ahead(self, from_previous: list[tuple[Sequence, int]], decodes: list[Sequence]) -> bool:
+        """Slots for every decode while a step is in flight; False when a block is short."""
+        bm = self.block_manager
+        return bm.append_slots([seq for seq, _ in from_previous], lookahead=1) and bm.append_slots(decodes)
+
+    def _append_slots_preempting(self, decodes: list[Sequence]) -> list[Sequence]:
+        """A slot for each decode; when a block is short, the newest running sequence is
+        preempted (possibly the one asking). Returns the decodes still running."""
+        kept, append_slot = [], self.block_manager.append_slot
+        for seq in decodes:
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted for an older sequence's block
+            while not append_slot(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                kept.append(seq)
+        return kept
+
+    def _prompt_chunks(
+        self, continuing: list[tuple[Sequence, int]], budget: int, admit: bool
+    ) -> list[tuple[Sequence, int, int]]:
+        """``(seq, start, num_tokens)`` for prompts under way, then for admitted ones, while
+        the token budget lasts."""
+        chunks = []
+        for seq, start in continuing:
+            if not budget:
+                return chunks
+            n = min(len(seq) - start, budget)
+            chunks.append((seq, start, n))
+            budget -= n
+        while admit and self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.allocate(seq):
                 break
@@ -66,56 +160,10 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.row, seq.num_blocks_sent = self.free_rows.pop(), 0
             self.running.append(seq)
-            budget -= self._take_chunk(seq, budget)
-            scheduled.append(seq)
-        return scheduled
-
-    @staticmethod
-    def _take_chunk(seq: Sequence, budget: int) -> int:
-        seq.num_scheduled_tokens = min(len(seq) - seq.num_computed_tokens, budget)
-        return seq.num_scheduled_tokens
-
-    def _schedule_decode(self) -> list[Sequence]:
-        """One token for each running sequence; when a block is short, the newest running
-        sequence is preempted (possibly the one asking)."""
-        scheduled: list[Sequence] = []
-        i = 0
-        while i < len(self.running):
-            seq = self.running[i]
-            while not self.block_manager.append_slot(seq):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                seq.num_scheduled_tokens = 1
-                scheduled.append(seq)
-                i += 1
-        return scheduled
-
-    def schedule_ahead(self, in_flight: ScheduledStep) -> ScheduledStep | None:
-        """Plan the decode step after ``in_flight`` (a decode step) before its tokens are known.
-
-        Every running sequence that might not finish on the token in flight gets a slot for
-        the token after it. Returns None when the next step needs the scheduler's full
-        decision: prompts are waiting, a block is short, or nothing would continue.
-        """
-        if self.waiting or in_flight.is_prefill:
-            return None
-        in_flight_ids = {seq.seq_id for seq in in_flight.seqs}
-        seqs = [seq for seq in self.running if not self._finishes_on_next_token(seq)]
-        if not seqs or any(seq.seq_id not in in_flight_ids or seq.is_prefilling for seq in seqs):
-            return None
-        bm = self.block_manager
-        if sum(not bm.has_slot(seq, lookahead=1) for seq in seqs) > bm.num_free_blocks:
-            return None
-        for seq in seqs:
-            bm.append_slot(seq, lookahead=1)
-        return ScheduledStep.plan_after(seqs, in_flight)
-
-    def _finishes_on_next_token(self, seq: Sequence) -> bool:
-        """True when the token in flight surely ends ``seq`` (by length, not by content)."""
-        return seq.num_completion_tokens + 1 >= seq.params.max_tokens or len(seq) + 1 >= self.max_model_len
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            chunks.append((seq, seq.num_computed_tokens, n))
+            budget -= n
+        return chunks
 
     def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -134,12 +182,10 @@ class Scheduler:
     def postprocess(self, step: ScheduledStep, token_ids: list[int]) -> list[Sequence]:
         """Record computed KV, append sampled tokens, finish sequences; returns the finished."""
         finished = []
-        for seq, token_id in zip(step.seqs, token_ids):
+        for seq, n, token_id in zip(step.seqs, step.batch.num_tokens, token_ids):
             if seq.status == SequenceStatus.FINISHED:
                 continue  # it ended on the previous step's token; this one was planned ahead
-            # a decode step computes one token, also when planned ahead of the step before it
-            seq.num_computed_tokens += seq.num_scheduled_tokens if step.is_prefill else 1
-            seq.num_scheduled_tokens = 0
+            seq.num_computed_tokens += n
             self.block_manager.commit_computed(seq)
             if seq.num_computed_tokens < len(seq):
                 continue  # a prompt chunk: no token is sampled yet
@@ -170,7 +216,7 @@ class Scheduler:
         also those an interrupted step held without recording them."""
         aborted = [*self.running, *self.waiting]
         for seq in aborted:
-            seq.block_table, seq.row, seq.num_scheduled_tokens = [], -1, 0
+            seq.block_table, seq.row = [], -1
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self.running.clear()
         self.waiting.clear()

@@ -14,8 +14,8 @@ class SequenceStatus(Enum):
 class Sequence:
     """Token ids of one request plus the bookkeeping the scheduler and KV cache need.
 
-    ``num_computed_tokens`` counts tokens whose KV is already in the cache (cache hits
-    included); the step in flight computes ``num_scheduled_tokens`` more. ``block_hashes``
+    ``num_computed_tokens`` counts tokens whose KV is in the cache (cache hits included)
+    once the steps that computed them have been postprocessed. ``block_hashes``
     holds the chained hash of each full block of ``token_ids``, computed once.
     """
 
@@ -25,7 +25,6 @@ class Sequence:
         "token_ids",
         "num_prompt_tokens",
         "num_computed_tokens",
-        "num_scheduled_tokens",
         "num_cached_tokens",
         "block_table",
         "block_hashes",
@@ -42,7 +41,6 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
-        self.num_scheduled_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []

@@ -1,6 +1,6 @@
 """The typed boundary between scheduling and execution: what one step computes."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.scheduling.sequence import Sequence
@@ -31,25 +31,32 @@ class StepBatch:
 
     Batch row ``i`` is the running sequence kept in executor row ``rows[i]``; it computes
     ``num_tokens[i]`` tokens from position ``start_positions[i]`` on, the last of which yields
-    logits and a sampled token. ``token_ids`` holds every row's input tokens, concatenated.
-    Per-row state the executor keeps between steps is sent only when it changes:
-    ``new_rows`` (prompt length and sampling parameters) and ``block_table_updates``.
-    With ``previous_sample_rows`` (a decode step planned while the previous one runs)
-    ``token_ids`` is empty: row ``i``'s one input token is the one the previous step sampled
-    in its batch row ``previous_sample_rows[i]``.
+    logits and a sampled token. The first ``num_decode_rows`` rows compute one token each
+    (decodes); the rest are prompt chunks, so a step may mix both. The first
+    ``len(previous_sample_rows)`` rows take their one input token from the previous step's
+    samples (a step planned before those are read back): row ``i``'s is the one sampled in
+    that step's batch row ``previous_sample_rows[i]``. ``token_ids`` holds the input tokens of
+    the other rows, concatenated. Per-row state the executor keeps between steps is sent only
+    when it changes: ``new_rows`` (prompt length and sampling parameters) and
+    ``block_table_updates``.
     """
 
-    is_prefill: bool
     rows: list[int]
     num_tokens: list[int]
     token_ids: list[int]
     start_positions: list[int]
+    num_decode_rows: int
     new_rows: list[NewRow]
     block_table_updates: list[BlockTableUpdate]
-    previous_sample_rows: list[int] | None = None
+    previous_sample_rows: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every row computes one token: the shape CUDA graphs are captured for."""
+        return self.num_decode_rows == len(self.rows)
 
 
 @dataclass(slots=True)
@@ -60,8 +67,8 @@ class ScheduledStep:
     batch: StepBatch
 
     @property
-    def is_prefill(self) -> bool:
-        return self.batch.is_prefill
+    def is_decode(self) -> bool:
+        return self.batch.is_decode
 
     @property
     def num_tokens(self) -> int:
@@ -69,37 +76,22 @@ class ScheduledStep:
         return sum(self.batch.num_tokens)
 
     @classmethod
-    def plan(cls, seqs: list[Sequence], is_prefill: bool) -> "ScheduledStep":
-        """A step over the sequences' scheduled tokens, all of them known."""
-        if is_prefill:
-            token_ids: list[int] = []
-            for s in seqs:
-                start = s.num_computed_tokens
-                token_ids += s.token_ids[start : start + s.num_scheduled_tokens]
-            num_tokens = [s.num_scheduled_tokens for s in seqs]
-        else:
-            token_ids, num_tokens = [s.token_ids[-1] for s in seqs], [1] * len(seqs)
-        starts = [s.num_computed_tokens for s in seqs]
-        return cls._build(seqs, is_prefill, num_tokens, token_ids, starts, None)
-
-    @classmethod
-    def plan_after(cls, seqs: list[Sequence], in_flight: "ScheduledStep") -> "ScheduledStep":
-        """The decode step after ``in_flight`` (a decode step), whose sampled tokens are not
-        known yet: each row's input is its sequence's token in flight."""
-        row_in_flight = {s.seq_id: i for i, s in enumerate(in_flight.seqs)}
-        previous_rows = [row_in_flight[s.seq_id] for s in seqs]
-        return cls._build(seqs, False, [1] * len(seqs), [], [len(s) for s in seqs], previous_rows)
-
-    @classmethod
-    def _build(
+    def plan(
         cls,
-        seqs: list[Sequence],
-        is_prefill: bool,
-        num_tokens: list[int],
-        token_ids: list[int],
-        start_positions: list[int],
-        previous_sample_rows: list[int] | None,
+        from_previous: list[tuple[Sequence, int]],
+        decodes: list[Sequence],
+        chunks: list[tuple[Sequence, int, int]],
     ) -> "ScheduledStep":
+        """A step of ``from_previous`` rows ``(seq, row in the step in flight)``, whose input is
+        the token in flight; of ``decodes``, whose input is their last token; and of prompt
+        ``chunks`` ``(seq, start, num_tokens)``. Rows of one token go first."""
+        single = [c for c in chunks if c[2] == 1]
+        if single:
+            chunks = single + [c for c in chunks if c[2] > 1]
+        seqs = [s for s, _ in from_previous] + decodes + [s for s, _, _ in chunks]
+        token_ids = [s.token_ids[-1] for s in decodes]
+        for s, start, n in chunks:
+            token_ids += s.token_ids[start : start + n]
         new_rows, updates = [], []
         for s in seqs:  # send what the executor does not hold yet, once
             sent = s.num_blocks_sent
@@ -108,14 +100,17 @@ class ScheduledStep:
             if len(s.block_table) > sent:
                 updates.append(BlockTableUpdate(s.row, sent, s.block_table[sent:]))
                 s.num_blocks_sent = len(s.block_table)
+        num_single = len(from_previous) + len(decodes) + len(single)
         batch = StepBatch(
-            is_prefill=is_prefill,
             rows=[s.row for s in seqs],
-            num_tokens=num_tokens,
+            num_tokens=[1] * num_single + [n for _, _, n in chunks[len(single) :]],
             token_ids=token_ids,
-            start_positions=start_positions,
+            start_positions=[len(s.token_ids) for s, _ in from_previous]
+            + [len(s.token_ids) - 1 for s in decodes]
+            + [start for _, start, _ in chunks],
+            num_decode_rows=num_single,
             new_rows=new_rows,
             block_table_updates=updates,
-            previous_sample_rows=previous_sample_rows,
+            previous_sample_rows=[row for _, row in from_previous],
         )
         return cls(seqs, batch)

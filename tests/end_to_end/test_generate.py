@@ -196,3 +196,30 @@ def test_step_results_count_only_tokens_kept(qwen3_dir, prompts, hf_reference):
         assert prefilled == sum(map(len, prompts))
     finally:
         llm.exit()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["split", "mixed"])
+def test_mixed_steps_on_and_off_match_hf(qwen3_dir, prompts, hf_reference, mixed, async_scheduling):
+    """Prompts arrive while others decode, under a small token budget: with mixed steps
+    decodes share steps with prompt chunks, without them they wait; the tokens are HF's."""
+    llm = LLM(
+        qwen3_dir,
+        **BASE,
+        kvcache_block_size=16,
+        max_num_batched_tokens=20,
+        mixed_steps=mixed,
+        async_scheduling=async_scheduling,
+    )
+    try:
+        pending, seqs, num_steps, num_mixed = list(prompts), [], 0, 0
+        while pending or not llm.is_finished():
+            if pending and num_steps % 3 == 0:
+                seqs.append(llm.add_request(pending.pop(0), GREEDY))
+            result = llm.step()
+            num_steps += 1
+            num_mixed += result.num_prefill_tokens > 0 and result.num_decode_tokens > 0
+        assert [s.completion_token_ids for s in seqs] == hf_reference(qwen3_dir, prompts, 24)
+        assert (num_mixed > 0) == mixed
+    finally:
+        llm.exit()

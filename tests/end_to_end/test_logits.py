@@ -14,11 +14,12 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, int]:
     assert manager.allocate(seq)
     try:
         start = seq.num_computed_tokens
-        seq.num_scheduled_tokens = len(prompt) - start
         seq.row = 0  # the engine is idle: every row is free
         runner = llm.executor.runner
         with torch.inference_mode():
-            inputs = runner.inputs.build(ScheduledStep.plan([seq], True).batch, with_sampling=False)
+            inputs = runner.inputs.build(
+                ScheduledStep.plan([], [], [(seq, start, len(prompt) - start)]).batch, with_sampling=False
+            )
             hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
             logits = runner.model.compute_logits(hidden)
         return logits.float().cpu(), start

@@ -32,22 +32,39 @@ class CheckedHarness(Harness):
         for seq, start, n in zip(step.seqs, b.start_positions, b.num_tokens):
             positions += range(start, start + n)
             slots += [seq.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
-            ids += seq.token_ids[start : start + n]
+            ids += seq.token_ids[start : start + n]  # nothing yet for a token in flight
         assert inputs.positions.tolist() == positions
         # torch.compile guards on the offset of its inputs: one that moved would recompile mid-run
         assert inputs.positions.storage_offset() == 0
         assert meta.slot_mapping.tolist() == slots
-        assert meta.context_lens.tolist() == [s + n for s, n in zip(b.start_positions, b.num_tokens)]
+        tables = [meta.block_tables] if meta.decode is None else [meta.decode.block_tables, meta.block_tables]
+        meta_tables = torch.cat(tables).tolist()
         for i, seq in enumerate(step.seqs):
-            assert meta.block_tables[i, : len(seq.block_table)].tolist() == seq.block_table
-        if b.previous_sample_rows is not None:
-            assert inputs.from_previous and inputs.input_ids.tolist() == b.previous_sample_rows
+            assert meta_tables[i][: len(seq.block_table)] == seq.block_table
+        if b.is_decode:
+            assert meta.context_lens.tolist() == [s + n for s, n in zip(b.start_positions, b.num_tokens)]
+        k, d = len(b.previous_sample_rows), b.num_decode_rows
+        assert inputs.input_ids.tolist() == ids  # the first k rows' tokens are still in flight
+        if k:
+            assert inputs.previous_sample_rows.tolist() == b.previous_sample_rows
         else:
-            assert not inputs.from_previous and inputs.input_ids.tolist() == ids
-        if b.is_prefill:
+            assert inputs.previous_sample_rows is None
+        if b.is_decode:
+            assert not meta.is_prefill and meta.decode is None
+        else:
             lens = b.num_tokens
-            assert meta.cu_seqlens_q.tolist() == [sum(lens[:i]) for i in range(len(lens) + 1)]
             assert inputs.last_token_index.tolist() == [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
+            # the prompt rows (after the d decode rows) as the prefill kernels see them
+            assert meta.is_prefill and meta.num_decode_tokens == d
+            assert meta.cu_seqlens_q.tolist() == [sum(lens[d:i]) for i in range(d, len(lens) + 1)]
+            ends = [s + n for s, n in zip(b.start_positions, lens)]
+            assert meta.context_lens.tolist() == ends[d:]
+            assert meta.cu_seqlens_k.tolist() == [sum(ends[d:i]) for i in range(d, len(lens) + 1)]
+            assert meta.has_prefix == any(b.start_positions[d:])
+            if d:
+                assert meta.decode.context_lens.tolist() == ends[:d]
+                assert meta.decode.block_tables.tolist() == meta_tables[:d]
+            assert meta.block_tables.tolist() == meta_tables[d:]
         self.steps_checked += 1
 
 
@@ -56,11 +73,15 @@ def config(qwen3_dir) -> Config:
     return Config(qwen3_dir, device="cpu", kvcache_block_size=BLOCK, max_num_seqs=SEQS, max_model_len=MAX_LEN)
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["split", "mixed"])
 @pytest.mark.parametrize("plan_ahead", [False, True])
 @pytest.mark.parametrize("num_blocks", [12, 200])
-def test_inputs_follow_the_sequences_through_a_workload(config, plan_ahead, num_blocks):
+def test_inputs_follow_the_sequences_through_a_workload(config, plan_ahead, num_blocks, mixed):
     h = CheckedHarness(
-        StepInputBuilder(config, torch.device("cpu")), num_blocks=num_blocks, max_num_batched_tokens=20
+        StepInputBuilder(config, torch.device("cpu")),
+        num_blocks=num_blocks,
+        max_num_batched_tokens=20,
+        mixed=mixed,
     )
     rng = random.Random(num_blocks)
     shared = [rng.randrange(VOCAB) for _ in range(16)]

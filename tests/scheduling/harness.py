@@ -81,10 +81,13 @@ class Harness:
         max_model_len: int = 1024,
         eos: tuple[int, ...] = (),
         prefix_caching: bool = True,
+        mixed: bool = False,
     ) -> None:
         self.bs = block_size
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
-        self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, max_model_len, list(eos))
+        self.sched = Scheduler(
+            self.bm, max_num_seqs, max_num_batched_tokens, max_model_len, list(eos), mixed_steps=mixed
+        )
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.seqs: list[Sequence] = []
         self.finished: list[Sequence] = []
@@ -106,7 +109,7 @@ class Harness:
         waiting_before = {s.seq_id for s in self.sched.waiting}
         running_before = {s.seq_id for s in self.sched.running}
         step = self.sched.schedule()
-        seqs, is_prefill = step.seqs, step.is_prefill
+        seqs = step.seqs
         self.num_steps += 1
         for s in self.seqs:
             if s.seq_id in running_before and s.status == SequenceStatus.WAITING:
@@ -116,17 +119,20 @@ class Harness:
                 self.prefix_hit_tokens += s.num_cached_tokens
                 if s.seq_id in self.preempted_ids and s.num_cached_tokens:
                     self.readmitted_with_hit += 1
-        self.check(seqs, is_prefill)
+        self.check(step)
         self.apply_batch(step)
-        tokens = [self.compute(s) for s in seqs]
+        tokens = [self.compute(s, start, n) for s, start, n in self.rows(step)]
         if tokens_for is not None:
             tokens = [tokens_for(s) if t != DUMMY else t for s, t in zip(seqs, tokens)]
         finished = self.sched.postprocess(step, tokens)
         self.finished.extend(finished)
-        for s in seqs:
-            assert s.num_scheduled_tokens == 0
         self.check_blocks()
-        return seqs, is_prefill, finished
+        return seqs, not step.is_decode, finished
+
+    @staticmethod
+    def rows(step: ScheduledStep) -> list[tuple[Sequence, int, int]]:
+        """``(seq, start, num_tokens)`` of each batch row."""
+        return list(zip(step.seqs, step.batch.start_positions, step.batch.num_tokens))
 
     def run(self, max_steps: int = 20_000) -> None:
         with deadline(30):
@@ -144,26 +150,22 @@ class Harness:
                 assert self.num_steps < max_steps, "the scheduler does not terminate"
                 if not in_flight:
                     step = self.sched.schedule()
-                    self.check(step.seqs, step.is_prefill)
+                    self.check(step)
                     self.apply_batch(step)
                     in_flight.append(step)
                 if len(in_flight) == 1:
                     planned = self.sched.schedule_ahead(in_flight[0])
                     if planned is not None:
-                        assert planned.batch.previous_sample_rows is not None
-                        assert planned.batch.token_ids == [] and not planned.batch.new_rows
+                        self.check(planned)
                         self.apply_batch(planned)
                         in_flight.append(planned)
                         ahead += 1
                 step = in_flight.popleft()
                 self.num_steps += 1
-                if step.is_prefill:
-                    tokens = [self.compute(s) for s in step.seqs]
-                else:  # the planned-ahead input token is known now: the step before appended it
-                    tokens = [
-                        DUMMY if s.is_finished else self.compute(s, start, 1)
-                        for s, start in zip(step.seqs, step.batch.start_positions)
-                    ]
+                # a planned-ahead input token is known now: the step before appended it
+                tokens = [
+                    DUMMY if s.is_finished else self.compute(s, start, n) for s, start, n in self.rows(step)
+                ]
                 self.finished.extend(self.sched.postprocess(step, tokens))
                 self.check_blocks()
         return ahead
@@ -190,11 +192,9 @@ class Harness:
             assert self.row_tables[row] == seq.block_table, f"row {row} drifted from seq {seq.seq_id}"
             assert self.row_prompt_lens[row] == seq.num_prompt_tokens
 
-    def compute(self, seq: Sequence, start: int | None = None, n: int | None = None) -> int:
-        """Fake KV for ``n`` tokens from ``start`` (default: the scheduled chunk), checking what
-        is read; returns the next token, or DUMMY for a chunk that ends inside the prompt."""
-        if start is None:
-            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+    def compute(self, seq: Sequence, start: int, n: int) -> int:
+        """Fake KV for ``n`` tokens from ``start``, checking what is read; returns the next
+        token, or DUMMY for a chunk that ends inside the prompt."""
         fps = fingerprints(seq.token_ids)
         for p in range(start):  # attention reads every earlier position
             blk = seq.block_table[p // self.bs]
@@ -210,8 +210,8 @@ class Harness:
 
     # ---------------------------------------------------------------------- checks
 
-    def check(self, seqs: list[Sequence], is_prefill: bool) -> None:
-        sched = self.sched
+    def check(self, step: ScheduledStep) -> None:
+        sched, b, seqs = self.sched, step.batch, step.seqs
         ids = [s.seq_id for s in seqs]
         assert len(set(ids)) == len(ids)
         running = {s.seq_id for s in sched.running}
@@ -223,21 +223,19 @@ class Harness:
         assert set(ids) <= running
         for s in sched.running:
             assert s.status == SequenceStatus.RUNNING
-            if s.seq_id not in ids:
-                assert s.num_scheduled_tokens == 0
         for s in sched.waiting:
             assert s.status == SequenceStatus.WAITING and s.block_table == []
-        if is_prefill:
-            assert sum(s.num_scheduled_tokens for s in seqs) <= sched.max_num_batched_tokens
-        else:
-            assert len(seqs) <= sched.max_num_seqs
-        for s in seqs:
-            assert s.num_scheduled_tokens >= 1
-            end = s.num_computed_tokens + s.num_scheduled_tokens
-            assert end <= len(s)
-            if not is_prefill:
-                assert s.num_scheduled_tokens == 1 and s.num_computed_tokens == len(s) - 1
-            assert len(s.block_table) == cdiv(len(s), self.bs)
+        assert sum(b.num_tokens) <= sched.max_num_batched_tokens and len(seqs) <= sched.max_num_seqs
+        num_previous = len(b.previous_sample_rows)
+        assert num_previous <= b.num_decode_rows
+        assert sched.mixed_steps or not num_previous or b.is_decode, "mixed steps are off"
+        for i, (s, start, n) in enumerate(self.rows(step)):
+            assert n >= 1 and (i < b.num_decode_rows) == (n == 1), "decode rows go first"
+            if i < num_previous:  # its input is the token in flight, at position len(s)
+                assert start == len(s)
+            else:
+                assert start + n <= len(s)
+            assert len(s.block_table) == cdiv(max(len(s), start + n), self.bs)
         self.check_blocks()
 
     def check_blocks(self) -> None:
@@ -256,7 +254,7 @@ class Harness:
                 assert len({i for _, i in holders}) == 1, "shared block at different positions"
                 for s, i in holders:
                     assert s.token_ids[i * self.bs : (i + 1) * self.bs] == block.token_ids
-                    assert (i + 1) * self.bs <= s.num_computed_tokens + s.num_scheduled_tokens
+                    assert (i + 1) * self.bs <= s.num_computed_tokens
 
     def check_done(self, max_model_len: int | None = None) -> None:
         assert self.sched.is_finished()

@@ -17,11 +17,13 @@ POINTS = [
     (BlockManager, "_take_free_block"),
     (BlockManager, "allocate"),
     (BlockManager, "append_slot"),
+    (BlockManager, "append_slots"),
     (BlockManager, "commit_computed"),
     (BlockManager, "free"),
     (Scheduler, "_preempt"),
     (Scheduler, "_finish"),
     (Scheduler, "schedule_ahead"),
+    (Scheduler, "_prompt_chunks"),
 ]
 
 
@@ -52,14 +54,20 @@ def workload(h: Harness, rng: random.Random, n: int) -> None:
         h.add(prompt, max_tokens=rng.randrange(1, 12))
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["split", "mixed"])
 @pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
 @pytest.mark.parametrize("cls, name", POINTS, ids=[n for _, n in POINTS])
-def test_interrupt_at_each_point_loses_nothing(monkeypatch, cls, name, after):
+def test_interrupt_at_each_point_loses_nothing(monkeypatch, cls, name, after, mixed):
     interrupted = 0
     for nth in (1, 2, 3, 5, 8, 13, 21):
         with monkeypatch.context() as m:
             h = Harness(
-                num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=36
+                num_blocks=10,
+                block_size=4,
+                max_num_seqs=4,
+                max_num_batched_tokens=12,
+                max_model_len=36,
+                mixed=mixed,
             )
             rng = random.Random(nth)
             workload(h, rng, 8)

@@ -61,8 +61,8 @@ def test_preempting_a_sequence_that_shares_a_prefix_keeps_the_shared_blocks():
     a = h.add([1, 2, 3, 4, 5], max_tokens=6)
     h.step()  # a prefilled: blocks 0 and 1 are full and hashed
     b = h.add([1, 2, 3, 4, 9], max_tokens=6)
-    batch, is_prefill, _ = h.step()
-    assert is_prefill and batch == [b] and b.num_cached_tokens == 4
+    batch, _, _ = h.step()  # b's one uncached prompt token
+    assert batch == [b] and b.num_cached_tokens == 4
     shared = a.block_table[:2]
     assert b.block_table[:2] == shared and all(h.bm.blocks[x].ref_count == 2 for x in shared)
     while h.sched.num_preemptions == 0:
@@ -190,12 +190,13 @@ CONFIGS = {
 TIGHT = {"tight", "tight_no_prefix", "block_size_16", "block_size_1"}
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["split", "mixed"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_generate_loop_loses_nothing(name, seed):
+def test_generate_loop_loses_nothing(name, seed, mixed):
     num_blocks, bs, max_seqs, budget, prefix = CONFIGS[name]
     max_model_len = min(num_blocks * bs, 48)
-    h = Harness(num_blocks, bs, max_seqs, budget, max_model_len, prefix_caching=prefix)
+    h = Harness(num_blocks, bs, max_seqs, budget, max_model_len, prefix_caching=prefix, mixed=mixed)
     rng = random.Random(seed)
     for prompt, max_tokens in _workload(rng, 14, max_prompt=30, max_new=18):
         h.add(prompt, max_tokens=max_tokens)
@@ -207,14 +208,15 @@ def test_generate_loop_loses_nothing(name, seed):
         assert h.prefix_hit_tokens == 0
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["split", "mixed"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_async_loop_plans_ahead_and_loses_nothing(name, seed):
-    """Decode steps planned before the previous step's tokens are known: same completions,
-    rows and block tables kept in step, every block returned."""
+def test_async_loop_plans_ahead_and_loses_nothing(name, seed, mixed):
+    """Steps planned before the previous step's tokens are known: same completions, rows and
+    block tables kept in step, every block returned."""
     num_blocks, bs, max_seqs, budget, prefix = CONFIGS[name]
     max_model_len = min(num_blocks * bs, 48)
-    h = Harness(num_blocks, bs, max_seqs, budget, max_model_len, prefix_caching=prefix)
+    h = Harness(num_blocks, bs, max_seqs, budget, max_model_len, prefix_caching=prefix, mixed=mixed)
     rng = random.Random(seed)
     for prompt, max_tokens in _workload(rng, 14, max_prompt=30, max_new=18):
         h.add(prompt, max_tokens=max_tokens, stop_token_ids=[rng.randrange(VOCAB) for _ in range(40)])
@@ -225,8 +227,11 @@ def test_async_loop_plans_ahead_and_loses_nothing(name, seed):
     assert sorted(h.sched.free_rows) == list(range(max_seqs))
 
 
-def test_generate_loop_with_arrivals_between_steps():
-    h = Harness(num_blocks=14, block_size=4, max_num_seqs=5, max_num_batched_tokens=20, max_model_len=40)
+@pytest.mark.parametrize("mixed", [False, True], ids=["split", "mixed"])
+def test_generate_loop_with_arrivals_between_steps(mixed):
+    h = Harness(
+        num_blocks=14, block_size=4, max_num_seqs=5, max_num_batched_tokens=20, max_model_len=40, mixed=mixed
+    )
     rng = random.Random(5)
     pending = _workload(rng, 30, max_prompt=24, max_new=14)
     while pending or not h.sched.is_finished():
