@@ -56,6 +56,7 @@ def run_nanovllm(args, path, dummy, prompts, max_tokens) -> list[float]:
         tensor_parallel_size=args.tp,
         attention_backend=args.attention_backend,
         async_scheduling=args.async_scheduling,
+        mixed_steps=args.mixed_steps,
     )
     print(f"nanovllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
@@ -169,7 +170,13 @@ def main() -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="nanovllm: plan each decode step while the previous one runs (default on)",
+        help="nanovllm: plan each step while the previous one runs (default on)",
+    )
+    parser.add_argument(
+        "--mixed-steps",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="nanovllm: prompt chunks share steps with decodes (default on)",
     )
     parser.add_argument(
         "--hf-runs", type=int, default=1, help="timed runs for hf, whose run takes minutes on a GPU"

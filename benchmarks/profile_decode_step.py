@@ -1,9 +1,9 @@
-"""Where one decode step's time goes, at batch 256 on a Qwen3-0.6B-shaped model (CUDA).
+"""Where one decode step's time goes, at batch 256 on a bench-shaped model (CUDA).
 
-    PYTHONPATH=. python3 benchmarks/profile_decode_step.py [--batch 256] [--context 1024]
+    PYTHONPATH=. python3 benchmarks/profile_decode_step.py [--shape qwen3-8b] [--batch 256] [--context 1024]
 
 Prints wall time per step split into engine parts (schedule, prepare + forward + sample,
-postprocess), the GPU-busy time per step from CUDA events, and the top CUDA kernels.
+postprocess), the GPU-busy time and the number of kernels per step, and the top CUDA kernels.
 """
 
 import argparse
@@ -14,18 +14,19 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.demo_models import write_config
+from nanovllm.demo_models import SHAPES, write_config
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
     path = tempfile.mkdtemp()
-    write_config(path)
+    write_config(path, args.shape)
     llm = LLM(path, load_format="dummy", enforce_eager=args.enforce_eager, max_model_len=4096)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=10_000)
     for i in range(args.batch):
@@ -33,7 +34,7 @@ def main() -> None:
     sched, runner = llm.scheduler, llm.executor.runner
     while True:  # prefill everything
         step = sched.schedule()
-        if not step.is_prefill:
+        if step.is_decode:
             break
         sched.postprocess(step, runner.run(step.batch))
     # the last schedule() was a decode; run it, then time steps split by part
@@ -64,8 +65,10 @@ def main() -> None:
             step = sched.schedule()
             sched.postprocess(step, runner.run(step.batch))
         torch.cuda.synchronize()
-    gpu_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 5
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    gpu_us = sum(e.self_device_time_total for e in kernels) / 5
     print(f"GPU busy per step: {gpu_us / 1e3:.3f} ms (so {wall - gpu_us / 1e3:.3f} ms/step not overlapped)")
+    print(f"kernels per step: {sum(e.count for e in kernels) / 5:.0f}")
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
     llm.exit()
 

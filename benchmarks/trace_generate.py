@@ -1,24 +1,26 @@
 """Where the bench workload's wall time goes, step by step (CUDA).
 
-    PYTHONPATH=. python3 benchmarks/trace_generate.py [--async-scheduling] [--runs 2]
+    PYTHONPATH=. python3 benchmarks/trace_generate.py [--shape qwen3-8b --num-seqs 1024] [--runs 2]
 
-Runs bench.py's workload like bench.py does and, per timed run, prints: prefill and decode
-steps with their wall time, the host time spent launching steps and waiting for tokens,
-the slowest steps, and any Triton kernel or torch.compile graph compiled during the run
-(a cause of a slow first run).
+Runs bench.py's workload like bench.py does and, per timed run, prints: prefill, mixed and
+decode steps with their wall time; the host time spent launching each kind of step (planned
+ahead of the step before, or not) and waiting for tokens; host stalls (waits for a step with
+none queued behind it, after which the GPU idles until the host launches the next); the
+slowest steps; and any Triton kernel or torch.compile graph compiled during the run (a cause
+of a slow first run).
 """
 
 import argparse
 import logging
 import tempfile
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch
 
 from bench import workload
 from nanovllm import LLM, SamplingParams
-from nanovllm.demo_models import write_config
+from nanovllm.demo_models import SHAPES, write_config
 from nanovllm.execution.model_runner import SampledTokens
 
 events: list[tuple[float, str]] = []
@@ -49,9 +51,17 @@ def hook_compiles() -> None:
         logging.getLogger(name).addHandler(RecordCompiles())
 
 
+def step_kind(batch) -> str:
+    if batch.is_decode:
+        return "decode"
+    return "mixed" if batch.num_decode_rows else "prefill"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
@@ -59,38 +69,50 @@ def main() -> None:
     args = parser.parse_args()
     prompts, max_tokens = workload(args)
     path = tempfile.mkdtemp()
-    write_config(path)
-    llm = LLM(path, load_format="dummy", max_model_len=4096, async_scheduling=args.async_scheduling)
+    write_config(path, args.shape)
+    llm = LLM(
+        path,
+        load_format="dummy",
+        max_model_len=4096,
+        async_scheduling=args.async_scheduling,
+        mixed_steps=args.mixed_steps,
+    )
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
     hook_compiles()
 
     host = defaultdict(float)
     original_launch, original_tolist = llm._launch, SampledTokens.tolist
+    launched: deque[str] = deque()  # kinds of the steps launched and not yet collected
 
     def launch(step):
+        ahead = " ahead" if llm.in_flight else ""
         start = time.perf_counter()
         original_launch(step)
-        batch = step.batch
-        kind = "prefill" if batch.is_prefill else ("ahead" if batch.previous_sample_rows else "decode")
-        host[f"launch {kind}"] += time.perf_counter() - start
-        host[f"# {kind} launches"] += 1
+        kind = step_kind(step.batch)
+        launched.append(kind)
+        host[f"launch {kind}{ahead}"] += time.perf_counter() - start
+        host[f"# {kind}{ahead} launches"] += 1
 
     def tolist(self):
+        stall = not llm.in_flight  # nothing queued behind this step: the GPU idles after it
         start = time.perf_counter()
         out = original_tolist(self)
-        host["wait for tokens"] += time.perf_counter() - start
+        key = "wait, stalling" if stall else "wait, overlapped"
+        host[key] += time.perf_counter() - start
+        host[f"# {key}"] += 1
         return out
 
     llm._launch = launch
     SampledTokens.tolist = tolist
     original_step = llm.step
-    steps: list[tuple[float, int]] = []
+    steps: list[tuple[float, str, int, int]] = []
 
     def step():
         start = time.perf_counter()
         out = original_step()
-        steps.append((time.perf_counter() - start, out.num_prefill_tokens or -out.num_decode_tokens))
+        kind = launched.popleft()
+        steps.append((time.perf_counter() - start, kind, out.num_prefill_tokens, out.num_decode_tokens))
         return out
 
     llm.step = step
@@ -101,18 +123,20 @@ def main() -> None:
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
-        prefill = [t for t, n in steps if n > 0]
-        decode = [t for t, n in steps if n <= 0]
-        print(f"\n== run {run}: {wall:.2f} s, {sum(max_tokens) / wall:,.0f} tok/s")
+        print(f"\n== run {run}: {wall:.2f} s, {sum(max_tokens) / wall:,.0f} tok/s ({args.shape})")
         print(f"KV blocks: {llm.num_kvcache_blocks}, preemptions so far: {llm.scheduler.num_preemptions}")
-        print(f"prefill: {len(prefill)} steps, {sum(prefill):.3f} s")
-        print(f"decode:  {len(decode)} steps, {sum(decode):.3f} s")
+        print("step kind   steps  wall (s)  prompt tokens  decode tokens")
+        for kind in ("prefill", "mixed", "decode"):
+            mine = [s for s in steps if s[1] == kind]
+            seconds, prompt, decode = (sum(s[i] for s in mine) for i in (0, 2, 3))
+            print(f"  {kind:8s} {len(mine):6d} {seconds:9.3f} {prompt:14,d} {decode:14,d}")
         for k, v in sorted(host.items()):
-            print(f"  {k:24s} {v:.3f}" + (" s" if not k.startswith("#") else ""))
+            print(f"  {k:28s} {v:.3f}" + (" s" if not k.startswith("#") else ""))
         slow = sorted(range(len(steps)), key=lambda i: -steps[i][0])[:8]
-        print("slowest steps (index, ms, tokens; negative = decode rows):")
+        print("slowest steps (index, ms, kind, prompt tokens, decode tokens):")
         for i in sorted(slow):
-            print(f"  {i:5d} {steps[i][0] * 1e3:8.1f} {steps[i][1]:6d}")
+            t, kind, prompt, decode = steps[i]
+            print(f"  {i:5d} {t * 1e3:8.1f} {kind:8s} {prompt:6d} {decode:6d}")
         print(f"compiles during the run: {len(events)}")
         for t, what in events[:30]:
             print(f"  +{t - t0:6.2f} s {what}")
