@@ -80,6 +80,28 @@ def test_chunked_prefill_and_preemption(gpu_model_dir, prompts, hf_reference, ba
         llm.exit()
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["split", "mixed"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prompts_arriving_while_others_decode_match_hf(gpu_model_dir, prompts, hf_reference, backend, mixed):
+    """With graphs and async scheduling: decodes share steps with prompt chunks (mixed) or
+    wait for them (split); every step is planned while the one before runs."""
+    llm = gpu_llm(
+        gpu_model_dir, backend, False, max_num_batched_tokens=40, mixed_steps=mixed, async_scheduling=True
+    )
+    try:
+        pending, seqs, num_steps, num_mixed = list(prompts), [], 0, 0
+        while pending or not llm.is_finished():
+            if pending and num_steps % 3 == 0:
+                seqs.append(llm.add_request(pending.pop(0), GREEDY))
+            result = llm.step()
+            num_steps += 1
+            num_mixed += result.num_prefill_tokens > 0 and result.num_decode_tokens > 0
+        assert [s.completion_token_ids for s in seqs] == hf_reference(gpu_model_dir, prompts, 32)
+        assert (num_mixed > 0) == mixed
+    finally:
+        llm.exit()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_logits_close_to_hf(gpu_model_dir, prompts, backend):
     prompt = (prompts[-1] * 4)[:300]
