@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
@@ -76,6 +77,7 @@ def main() -> None:
         max_model_len=4096,
         async_scheduling=args.async_scheduling,
         mixed_steps=args.mixed_steps,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
@@ -120,11 +122,22 @@ def main() -> None:
         steps.clear()
         host.clear()
         events.clear()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_stats()
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
+        after = torch.cuda.memory_stats()
         print(f"\n== run {run}: {wall:.2f} s, {sum(max_tokens) / wall:,.0f} tok/s ({args.shape})")
         print(f"KV blocks: {llm.num_kvcache_blocks}, preemptions so far: {llm.scheduler.num_preemptions}")
+        # the caching allocator frees its cache and retries (synchronising the device) when
+        # a request does not fit: one per step would stall every step
+        counts = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc")}
+        print(
+            f"allocator: {counts['num_alloc_retries']} retries, {counts['num_device_alloc']} cudaMallocs; "
+            f"peak {after['allocated_bytes.all.peak'] / 2**30:.1f} GiB allocated, "
+            f"{after['reserved_bytes.all.peak'] / 2**30:.1f} GiB reserved"
+        )
         print("step kind   steps  wall (s)  prompt tokens  decode tokens")
         for kind in ("prefill", "mixed", "decode"):
             mine = [s for s in steps if s[1] == kind]

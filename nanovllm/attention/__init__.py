@@ -1,8 +1,8 @@
 """Attention backends behind one small interface, chosen by name."""
 
-from nanovllm.attention.backend import AttentionBackend, AttentionMetadata
+from nanovllm.attention.backend import AttentionBackend, AttentionMetadata, QKTransform
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "QKTransform", "get_attention_backend"]
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

@@ -66,20 +66,37 @@ class AttentionMetadata:
             mine[n:num_rows].fill_(pad)
 
 
+@dataclass(slots=True)
+class QKTransform:
+    """What q and k go through before k is stored: a per-head RMSNorm when the weights are
+    set (Qwen3's q_norm/k_norm), then the rotary embedding at ``positions`` (``cos_sin_cache``:
+    ``[max_position, head_dim]`` fp32, cos then sin, rotate-half layout)."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    q_norm_weight: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
 class AttentionBackend:
-    """Stores new K/V in the paged cache and computes attention for prefill and decode."""
+    """Prepares q/k and stores new K/V in the paged cache, and computes attention for prefill
+    and decode."""
 
     name: str = ""
     supports_cuda_graphs: bool = True
 
-    def store(
+    def prepare(
         self,
+        q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
-    ) -> None:
+        transform: "QKTransform",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply ``transform`` to q and k, store k and v in the paged cache; returns q and k."""
         raise NotImplementedError
 
     def prefill(

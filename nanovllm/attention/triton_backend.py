@@ -4,10 +4,10 @@ import inspect
 
 import torch
 
-from nanovllm.attention.backend import AttentionBackend, AttentionMetadata
+from nanovllm.attention.backend import AttentionBackend, AttentionMetadata, QKTransform
 from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.prefill_attention import paged_prefill_attention
-from nanovllm.kernels.store_kvcache import store_kvcache
+from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store
 
 
 def _find_varlen_attn():
@@ -32,8 +32,20 @@ class TritonBackend(AttentionBackend):
     def __init__(self) -> None:
         self.varlen_attn = _find_varlen_attn()
 
-    def store(self, k, v, k_cache, v_cache, slot_mapping):
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    def prepare(self, q, k, v, k_cache, v_cache, slot_mapping, t: QKTransform):
+        return qk_norm_rope_store(
+            q,
+            k,
+            v,
+            t.positions,
+            t.cos_sin_cache,
+            t.q_norm_weight,
+            t.k_norm_weight,
+            t.eps,
+            k_cache,
+            v_cache,
+            slot_mapping,
+        )
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not meta.has_prefix and self.varlen_attn is not None and q.is_cuda and q.dtype != torch.float32:

@@ -1,9 +1,9 @@
-"""The attention layer: stores this step's K/V in the paged cache, then attends."""
+"""The attention layer: prepares q/k and stores this step's K/V in the paged cache, then attends."""
 
 import torch
 from torch import nn
 
-from nanovllm.attention import AttentionBackend, AttentionMetadata
+from nanovllm.attention import AttentionBackend, AttentionMetadata, QKTransform
 
 
 class Attention(nn.Module):
@@ -23,11 +23,17 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        transform: QKTransform,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """q: ``[tokens, heads, head_dim]``; k, v: ``[tokens, kv_heads, head_dim]``."""
+        """q: ``[tokens, heads, head_dim]``; k, v: ``[tokens, kv_heads, head_dim]``, before
+        ``transform`` (q and k may be rewritten in place)."""
         backend = self.backend
-        backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        q, k = backend.prepare(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, transform)
         if not meta.is_prefill:
             return backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)
         d = meta.num_decode_tokens

@@ -1,23 +1,12 @@
-"""Rotary position embedding (rotate-half / GPT-NeoX layout), cos/sin precomputed."""
+"""Rotary position embedding tables (rotate-half / GPT-NeoX layout); the attention backend
+applies them, fused with the KV store."""
 
 import torch
 from torch import nn
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-def apply_rotary(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
 class RotaryEmbedding(nn.Module):
-    compilable = ("fn",)
+    """``cos_sin_cache[position]``: the cos then the sin of every frequency, fp32."""
 
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
@@ -25,10 +14,3 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-        self.fn = apply_rotary
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: ``[tokens, heads, head_dim]``, k: ``[tokens, kv_heads, head_dim]``."""
-        return self.fn(positions, q, k, self.cos_sin_cache)

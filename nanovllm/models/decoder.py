@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.attention import AttentionBackend, AttentionMetadata
+from nanovllm.attention import AttentionBackend, AttentionMetadata, QKTransform
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -34,7 +34,7 @@ class DecoderAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend)
         self.has_qk_norm = arch.qk_norm
-        if self.has_qk_norm:
+        if self.has_qk_norm:  # applied, with the rotary embedding, by the attention layer
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -44,10 +44,11 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        transform = QKTransform(positions, self.rotary_emb.cos_sin_cache)
         if self.has_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v, meta)
+            transform.q_norm_weight, transform.k_norm_weight = self.q_norm.weight, self.k_norm.weight
+            transform.eps = self.q_norm.eps
+        o = self.attn(q, k, v, transform, meta)
         return self.o_proj(o.flatten(1, -1))
 
 

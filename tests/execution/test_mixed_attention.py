@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from nanovllm.attention import get_attention_backend
+from nanovllm.attention import QKTransform, get_attention_backend
 from nanovllm.config import Config
 from nanovllm.execution.step_inputs import StepInputBuilder
 from nanovllm.layers.attention import Attention
@@ -74,7 +74,11 @@ def test_a_mixed_step_attends_as_each_row_alone(config, backend, dtype):
 
     layer = Attention(HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, get_attention_backend(backend))
     layer.k_cache, layer.v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
-    out = layer(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), meta)
+    # a rotary table of cos 1, sin 0 leaves q and k as they are: this test is about attention
+    identity = torch.cat((torch.ones(128, HEAD_DIM // 2), torch.zeros(128, HEAD_DIM // 2)), dim=-1)
+    positions = torch.cat([torch.arange(s, s + n) for s, n in ROWS])
+    transform = QKTransform(positions.to(DEVICE), identity.to(DEVICE))
+    out = layer(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), transform, meta)
     tol = 1e-4 if dtype == torch.float32 else 5e-3
     torch.testing.assert_close(out.float().cpu(), torch.cat(expected), atol=tol, rtol=tol)
     # the layer stored every token's K/V in its slot first

@@ -8,8 +8,9 @@ from nanovllm.kernels.prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
+from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store, qk_norm_rope_store_ref
 from nanovllm.kernels.sample import sample_tokens, sample_tokens_ref
-from nanovllm.kernels.store_kvcache import store_kvcache, store_kvcache_ref
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 pytestmark = [
     pytest.mark.gpu,
@@ -125,25 +126,37 @@ def test_decode_cache_over_2g_elements() -> None:
     # And the store: the last slot of the cache.
     key, value = torch.randn(2, 2, num_kv_heads, head_dim, device="cuda").bfloat16().unbind(1)
     slots = torch.tensor([-1, num_blocks * block_size - 1], device="cuda")
-    store_kvcache(key, value, k_cache, v_cache, slots)
+    cos_sin = RotaryEmbedding(head_dim, 64, 1e6).cos_sin_cache.cuda()
+    positions = torch.tensor([3, 60], device="cuda")
+    _, key = qk_norm_rope_store(q, key, value, positions, cos_sin, None, None, 1e-6, k_cache, v_cache, slots)
     assert torch.equal(k_cache[-1, -1], key[1]) and torch.equal(v_cache[-1, -1], value[1])
 
 
+@pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kvcache(dtype: torch.dtype) -> None:
+def test_qk_norm_rope_store(dtype: torch.dtype, norm: bool) -> None:
     num_tokens, num_heads, num_kv_heads, head_dim, block_size = 4096, 16, 8, 128, 256
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, device="cuda")
     qkv = qkv.to(dtype)
-    key = qkv[:, num_heads : num_heads + num_kv_heads]
+    q, key = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
     value = qkv[:, num_heads + num_kv_heads :]
+    positions = torch.randint(0, 40960, (num_tokens,), device="cuda")
+    cos_sin = RotaryEmbedding(head_dim, 40960, 1e6).cos_sin_cache.cuda()
+    weights = (1 + 0.1 * torch.randn(2, head_dim, device="cuda")).to(dtype).unbind() if norm else (None, None)
     slots = torch.randperm(40 * block_size, device="cuda")[:num_tokens]
     slots[::7] = -1
     k_cache = torch.randn(40, block_size, num_kv_heads, head_dim, device="cuda", dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    store_kvcache_ref(key, value, ref_k, ref_v, slots)
-    store_kvcache(key, value, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    args = (positions, cos_sin, *weights, 1e-6)
+    want_q, want_k = qk_norm_rope_store_ref(q, key, value, *args, ref_k, ref_v, slots)
+    got_q, got_k = qk_norm_rope_store(q, key, value, *args, k_cache, v_cache, slots)
+    # fp32 math inside both; the kernel may round a product or two differently before the cast
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got_q, want_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(got_k, want_k, atol=tol, rtol=tol)
+    torch.testing.assert_close(k_cache, ref_k, atol=tol, rtol=tol)
+    assert torch.equal(v_cache, ref_v)
 
 
 # (block_size, num_heads, num_kv_heads, head_dim, [(cached prefix, new tokens), ...])

@@ -1,0 +1,174 @@
+"""Between the qkv projection and attention, in one kernel: per-head RMSNorm of q and k
+(Qwen3's q_norm/k_norm, optional), the rotary embedding (rotate-half layout), and the store
+of this step's k and v into the paged KV cache (layout as in :mod:`store_kvcache`)."""
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.store_kvcache import store_kvcache_ref
+
+
+def _norm_rope_ref(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    dtype = x.dtype
+    if weight is not None:  # rounded as the model's RMSNorm rounds: to dtype, times weight
+        xf = x.float()
+        x = (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(dtype) * weight
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+
+
+def qk_norm_rope_store_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference. q: ``[tokens, heads, head_dim]``; k, v: ``[tokens, kv_heads,
+    head_dim]``; cos_sin_cache: ``[max_position, head_dim]`` fp32, cos then sin; weights
+    ``[head_dim]`` or None (no norm). Returns the new q and k (v is unchanged) and stores k and
+    v at every slot >= 0."""
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    q, k = _norm_rope_ref(q, q_weight, eps, cos, sin), _norm_rope_ref(k, k_weight, eps, cos, sin)
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+@triton.jit
+def _norm_rope(x_ptr, w_ptr, cos, sin, eps, mask, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
+    """Load ``[heads, 2 * HALF]`` at x_ptr (halves as two tiles), norm, rotate, store back."""
+    offs = tl.arange(0, HALF)[None, :]
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    x2 = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + offs).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs).to(tl.float32)
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    o1 = (x1 * cos - x2 * sin).to(dtype)
+    o2 = (x2 * cos + x1 * sin).to(dtype)
+    tl.store(x_ptr + offs, o1, mask=mask)
+    tl.store(x_ptr + HALF + offs, o2, mask=mask)
+    return o1, o2
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    eps,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    """One program per token: all its q heads and kv heads."""
+    token = tl.program_id(0)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs)
+    hq = tl.arange(0, BLOCK_HQ)[:, None]
+    q_row = q_ptr + token * stride_qt + hq * stride_qh
+    _norm_rope(q_row, q_weight_ptr, cos, sin, eps, hq < NUM_HEADS, HAS_NORM, HALF)
+    hk = tl.arange(0, BLOCK_HK)[:, None]
+    k_mask = hk < NUM_KV_HEADS
+    k_row = k_ptr + token * stride_kt + hk * stride_kh
+    k1, k2 = _norm_rope(k_row, k_weight_ptr, cos, sin, eps, k_mask, HAS_NORM, HALF)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        # int64 slot: the flat cache index can exceed 2**31 elements
+        cache = slot * (NUM_KV_HEADS * 2 * HALF) + hk * (2 * HALF) + offs
+        tl.store(k_cache_ptr + cache, k1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+        tl.store(k_cache_ptr + cache + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+        v_row = v_ptr + token * stride_vt + hk * stride_vh + offs
+        v1 = tl.load(v_row, mask=k_mask)
+        v2 = tl.load(v_row + HALF, mask=k_mask)
+        tl.store(v_cache_ptr + cache, v1.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
+        tl.store(v_cache_ptr + cache + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
+
+
+def qk_norm_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`qk_norm_rope_store_ref`; q and k are rewritten in place (they
+    may be views into a fused qkv projection, ``stride(-1) == 1``) and returned."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k and v need a unit stride in the last dimension")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin_cache.is_contiguous()):
+        raise ValueError("the caches and cos_sin_cache must be contiguous")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight go together")
+    if num_tokens == 0:
+        return q, k
+    has_norm = q_weight is not None
+    _qk_norm_rope_store_kernel[(num_tokens,)](
+        q,
+        k,
+        v,
+        positions,
+        cos_sin_cache,
+        q_weight if has_norm else cos_sin_cache,  # any pointer: unread without a norm
+        k_weight if has_norm else cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        eps,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos_sin_cache.stride(0),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        BLOCK_HQ=triton.next_power_of_2(num_heads),
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        HALF=head_dim // 2,
+        HAS_NORM=has_norm,
+    )
+    return q, k
