@@ -57,6 +57,7 @@ def run_nanovllm(args, path, dummy, prompts, max_tokens) -> list[float]:
         attention_backend=args.attention_backend,
         async_scheduling=args.async_scheduling,
         mixed_steps=args.mixed_steps,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     print(f"nanovllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
@@ -82,6 +83,7 @@ def run_vllm(args, path, dummy, prompts, max_tokens) -> list[float]:
         max_model_len=4096,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tp,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     print(f"vllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
     params = [
@@ -166,6 +168,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help='"auto" or "fp8" (nanovllm and vLLM)')
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,

@@ -31,6 +31,16 @@ def test_auto_values_are_resolved_and_the_config_is_frozen(tmp_path):
         config.max_num_seqs = 3
 
 
+def test_an_fp8_kv_cache_holds_twice_the_tokens_of_a_bf16_one(tmp_path):
+    write_config(str(tmp_path), **SMALL)
+    bf16 = Config(str(tmp_path), device="cpu", dtype="bfloat16", kv_cache_memory_gb=0.01)
+    fp8 = Config(str(tmp_path), device="cpu", dtype="bfloat16", kv_cache_memory_gb=0.01, kv_cache_dtype="fp8")
+    assert (bf16.kv_cache_dtype, fp8.kv_cache_dtype) == ("bfloat16", "fp8")
+    assert fp8.kv_cache_torch_dtype == torch.float8_e4m3fn
+    assert bf16.kv_block_bytes == 2 * fp8.kv_block_bytes
+    assert fp8.fixed_num_kvcache_blocks // 2 == bf16.fixed_num_kvcache_blocks  # floors of x and 2x
+
+
 def test_max_model_len_is_capped_by_the_model(tmp_path):
     write_config(str(tmp_path), **{**SMALL, "max_position_embeddings": 100})
     assert Config(str(tmp_path), device="cpu", max_model_len=4096).max_model_len == 100
@@ -51,6 +61,7 @@ def test_max_model_len_is_capped_by_the_model(tmp_path):
         (dict(attention_backend="triton", kvcache_block_size=8), "kvcache_block_size >= 16"),
         (dict(load_format="pt"), "load_format"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(kv_cache_dtype="int8"), "kv_cache_dtype must be"),
     ],
 )
 def test_bad_options_are_refused_before_anything_starts(tmp_path, no_executor, options, match):

@@ -31,7 +31,7 @@ class KVCache:
             config.kvcache_block_size,
             first.num_kv_heads,
             first.head_dim,
-            dtype=config.torch_dtype,
+            dtype=config.kv_cache_torch_dtype,
             device=device,
         )
         if self.tensor[:, :, :1].numel() * self.tensor.element_size() != config.kv_block_bytes:

@@ -127,7 +127,7 @@ def _prefill_kernel(
             k_base + blk[:, None] * stride_kb + row[:, None] * stride_kt,
             mask=k_mask[:, None],
             other=0.0,
-        )
+        ).to(q.dtype)  # a float8 cache holds K/V at scale 1
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -138,7 +138,7 @@ def _prefill_kernel(
             v_base + blk[:, None] * stride_vb + row[:, None] * stride_vt,
             mask=k_mask[:, None],
             other=0.0,
-        )
+        ).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

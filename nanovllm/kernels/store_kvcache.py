@@ -15,9 +15,13 @@ def store_kvcache_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Plain-torch reference: ``k_cache.flat[slot] = key`` for every slot >= 0."""
+    """Plain-torch reference: ``k_cache.flat[slot] = key`` for every slot >= 0, cast to the
+    cache's dtype (a float8 cast saturates at the format's largest value)."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid].to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid].to(v_cache.dtype))
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        new = new[valid].to(cache.dtype)
+        if cache.element_size() == 1:  # float8: copied as bytes (no float8 index_copy_ on CPU)
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, new)

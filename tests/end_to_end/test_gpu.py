@@ -102,6 +102,22 @@ def test_prompts_arriving_while_others_decode_match_hf(gpu_model_dir, prompts, h
         llm.exit()
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_fp8_kv_cache_keeps_most_greedy_tokens(gpu_model_dir, prompts, hf_reference, eager):
+    """The Triton kernels store and read a float8 cache; prefix hits and decodes read it."""
+    batch = prompts + [p + [1, 2, 3] for p in prompts[3:7]]
+    expected = hf_reference(gpu_model_dir, batch, 32)
+    llm = gpu_llm(gpu_model_dir, "triton", eager, kv_cache_dtype="fp8")
+    try:
+        assert llm.executor.runner.kv_cache.tensor.dtype == torch.float8_e4m3fn
+        for _ in range(2):
+            outs = [o["token_ids"] for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+            same = sum(a == b for out, ref in zip(outs, expected) for a, b in zip(out, ref))
+            assert same / sum(map(len, expected)) > 0.3, same / sum(map(len, expected))
+    finally:
+        llm.exit()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_logits_close_to_hf(gpu_model_dir, prompts, backend):
     prompt = (prompts[-1] * 4)[:300]
