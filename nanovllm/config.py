@@ -208,7 +208,7 @@ class Config:
     def _resolve_kv_cache_dtype(self) -> str:
         """``dtype`` for "auto", else "fp8" (checked against the backend and the GPU)."""
         name = self.kv_cache_dtype
-        if name == "auto":
+        if name in ("auto", self.dtype):  # (a resolved config is built again in each worker)
             return self.dtype
         if name not in KV_CACHE_DTYPES:
             raise ValueError(
