@@ -2,7 +2,8 @@
 
 Run from the project root: ``PYTHONPATH=. python3 benchmarks/bench_decode_attention.py [--quick]``.
 Bandwidth counts the K and V bytes the kernel must read: sum(context_lens) * num_kv_heads *
-head_dim * 2 * dtype size. The copy counts bytes read plus bytes written.
+head_dim * 2 * the cache dtype's size (``--kv-cache-dtype fp8``: one byte). The copy counts
+bytes read plus bytes written.
 """
 
 import argparse
@@ -42,13 +43,15 @@ def graph_time_us(fn: Callable[[], object], rep_ms: int) -> float:
     return do_bench(graph.replay, rep=rep_ms, return_mode="median") * 1e3
 
 
-def bench_decode(batch: int, context: int, block_size: int, rep_ms: int) -> tuple[float, int]:
+def bench_decode(
+    batch: int, context: int, block_size: int, rep_ms: int, cache_dtype: torch.dtype
+) -> tuple[float, int]:
     """Median microseconds of one decode step with every sequence at ``context`` tokens."""
     blocks_per_seq = context // block_size
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
-    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda").to(cache_dtype)
+    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda").to(cache_dtype)
     # Shuffled blocks, as a real cache fragments over time.
     perm = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
     tables = perm.view(batch, blocks_per_seq)
@@ -64,14 +67,16 @@ def bench_decode(batch: int, context: int, block_size: int, rep_ms: int) -> tupl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
+    cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     rep_ms = 50 if args.quick else 200
     batches = [1, 256] if args.quick else [1, 16, 256]
     contexts = [2048, 32768] if args.quick else [512, 2048, 8192, 32768]
     block_sizes = [256] if args.quick else [256, 16]
-    dtype_bytes = torch.finfo(DTYPE).bits // 8
+    dtype_bytes = torch.finfo(cache_dtype).bits // 8
 
     copy_gbs = copy_bandwidth(4 * 2**30, rep_ms)
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
@@ -80,7 +85,7 @@ def main() -> None:
         kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * dtype_bytes
         if kv_bytes > MAX_CACHE_BYTES:
             continue
-        us, splits = bench_decode(batch, context, block_size, rep_ms)
+        us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype)
         gbs = kv_bytes / us / 1e3
         print(
             f"{batch:>5} {context:>7} {block_size:>5} {splits:>6} {us:>9.1f} "

@@ -1,0 +1,81 @@
+"""TFLOP/s of prefill attention on long causal prompts, against a bf16 GEMM's in the same run.
+
+Run from the project root: ``PYTHONPATH=. python3 benchmarks/bench_prefill_attention.py``.
+Two paths, as the Triton backend takes them: prompts with no cached prefix go to torch's
+varlen flash attention (K/V from the step itself); prompts after a cached prefix to our paged
+kernel (K/V from the cache). FLOPs count what causal attention must do:
+4 * heads * head_dim * (new * prefix + new**2 / 2) per sequence.
+"""
+
+import argparse
+
+import torch
+from triton.testing import do_bench
+
+from nanovllm.attention.triton_backend import _find_varlen_attn
+from nanovllm.kernels.prefill_attention import paged_prefill_attention
+
+SHAPES = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}  # heads, KV heads, head_dim
+DTYPE, BLOCK = torch.bfloat16, 256
+
+
+def gemm_tflops(rep_ms: int) -> float:
+    a = torch.randn(8192, 8192, dtype=DTYPE, device="cuda")
+    b = torch.randn(8192, 8192, dtype=DTYPE, device="cuda")
+    ms = do_bench(lambda: a @ b, rep=rep_ms, return_mode="median")
+    return 2 * 8192**3 / ms / 1e9
+
+
+def attention_flops(heads: int, head_dim: int, prefix: int, new: int, batch: int) -> float:
+    return batch * 4 * heads * head_dim * (new * prefix + new * new / 2)
+
+
+def bench(shape: str, batch: int, prefix: int, new: int, rep_ms: int) -> tuple[str, float]:
+    heads, kv_heads, head_dim = SHAPES[shape]
+    q = torch.randn(batch * new, heads, head_dim, dtype=DTYPE, device="cuda")
+    cu_q = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device="cuda")
+    scale = head_dim**-0.5
+    if prefix == 0:
+        varlen = _find_varlen_attn()
+        if varlen is None:
+            return "varlen (missing)", float("nan")
+        k = torch.randn(batch * new, kv_heads, head_dim, dtype=DTYPE, device="cuda")
+        v = torch.randn_like(k)
+        ms = do_bench(lambda: varlen(q, k, v, cu_q, cu_q, new, new, scale=scale, enable_gqa=True), rep=rep_ms)
+        return "varlen flash", attention_flops(heads, head_dim, 0, new, batch) / ms / 1e9
+    blocks_per_seq = -(-(prefix + new) // BLOCK)
+    shape4 = (batch * blocks_per_seq, BLOCK, kv_heads, head_dim)
+    k_cache = torch.randn(shape4, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(batch * blocks_per_seq, device="cuda", dtype=torch.int32)
+    tables = perm.view(batch, blocks_per_seq)
+    ctx = torch.full((batch,), prefix + new, dtype=torch.int32, device="cuda")
+    ms = do_bench(
+        lambda: paged_prefill_attention(q, k_cache, v_cache, cu_q, ctx, tables, scale, new), rep=rep_ms
+    )
+    return "paged Triton", attention_flops(heads, head_dim, prefix, new, batch) / ms / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    rep_ms = 50 if args.quick else 200
+    peak = gemm_tflops(rep_ms)
+    print(f"{torch.cuda.get_device_name()}: bf16 GEMM 8192^3 at {peak:.0f} TFLOP/s")
+    print(f"{'shape':>10} {'batch':>5} {'prefix':>6} {'new':>6} {'path':>14} {'TFLOP/s':>8} {'% GEMM':>6}")
+    cases = [(4, 0, 4096), (1, 0, 16384), (4, 4096, 1024), (1, 8192, 4096)]
+    for shape in SHAPES:
+        for batch, prefix, new in cases[:2] if args.quick else cases:
+            path, tflops = bench(shape, batch, prefix, new, rep_ms)
+            print(
+                f"{shape:>10} {batch:>5} {prefix:>6} {new:>6} {path:>14} {tflops:>8.0f} "
+                f"{100 * tflops / peak:>5.0f}%"
+            )
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
