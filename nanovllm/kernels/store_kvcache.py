@@ -16,12 +16,17 @@ def store_kvcache_ref(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Plain-torch reference: ``k_cache.flat[slot] = key`` for every slot >= 0, cast to the
-    cache's dtype (a float8 cast saturates at the format's largest value)."""
+    cache's dtype; into float8, values past its largest saturate (as the kernel's cast does;
+    torch's own cast gives NaN on CUDA)."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     for cache, new in ((k_cache, key), (v_cache, value)):
-        new = new[valid].to(cache.dtype)
+        new = new[valid]
         if cache.element_size() == 1:  # float8: copied as bytes (no float8 index_copy_ on CPU)
-            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
+            largest = torch.finfo(cache.dtype).max
+            new = new.float().clamp(-largest, largest).to(cache.dtype).view(torch.uint8)
+            cache = cache.view(torch.uint8)
+        else:
+            new = new.to(cache.dtype)
         cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, new)
