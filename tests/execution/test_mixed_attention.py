@@ -14,6 +14,9 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.scheduling.step import BlockTableUpdate, NewRow, StepBatch
 from tests.interpreter import DEVICE
 
+# on a GPU machine these run on the device too (``-m gpu``); on CPU, under the interpreter
+pytestmark = pytest.mark.gpu
+
 BLOCK, HEADS, KV_HEADS, HEAD_DIM, NUM_BLOCKS = 16, 4, 2, 64, 24
 # (start, num_tokens): two decodes, a prompt with no cached prefix, a chunk after a prefix
 ROWS = [(20, 1), (5, 1), (0, 9), (17, 6)]

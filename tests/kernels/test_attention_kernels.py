@@ -12,6 +12,9 @@ from nanovllm.kernels import prefill_attention as pre
 from nanovllm.kernels import store_kvcache as store
 from tests.interpreter import DEVICE
 
+# on a GPU machine these run on the device too (``-m gpu``); on CPU, under the interpreter
+pytestmark = pytest.mark.gpu
+
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3}
 

@@ -9,6 +9,9 @@ from nanovllm.kernels.store_kvcache import store_kvcache_ref
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from tests.interpreter import DEVICE
 
+# on a GPU machine these run on the device too (``-m gpu``); on CPU, under the interpreter
+pytestmark = pytest.mark.gpu
+
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
