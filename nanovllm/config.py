@@ -47,8 +47,8 @@ class Config:
     """Let prompt chunks share a step with the running decodes under the token budget, so
     decodes never stop for a prompt; off, prompt work runs in steps of its own, first."""
     async_scheduling: bool = True
-    """Plan each step while the previous one runs on the device; with tensor parallelism
-    steps run one after another."""
+    """Plan each step while the previous one runs on the device (with tensor parallelism,
+    rank 0 then broadcasts each step's sampled tokens to the other ranks)."""
     worker_timeout_s: float = 60.0
     """How long rank 0 waits on a tensor-parallel worker (to read a step, or inside a step's
     collectives) before it reports the worker stopped or hung; long enough for a first compile."""

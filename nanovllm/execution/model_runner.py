@@ -65,7 +65,8 @@ def dummy_batch(lens: list[int], block_size: int, prefix: int = 0) -> StepBatch:
 class ModelRunner:
     """The model, its KV cache, step inputs, sampler and decode graphs of one rank.
 
-    Rank 0 returns sampled token ids; other ranks return None.
+    Rank 0 returns sampled token ids; other ranks return None. With async scheduling rank 0
+    broadcasts its samples, so that every rank can feed them to a step planned ahead.
     """
 
     def __init__(self, config: Config, rank: int, store: dist.Store | None = None):
@@ -149,10 +150,14 @@ class ModelRunner:
             if not batch.is_decode:
                 hidden = hidden[inputs.last_token_index]
         logits = self.model.compute_logits(hidden)
-        if self.tp.rank != 0:
-            return None
-        self.last_sampled = self.sampler(logits, inputs.sampling)
-        return SampledTokens(self.last_sampled)
+        if self.tp.rank == 0:
+            self.last_sampled = self.sampler(logits, inputs.sampling)
+        if self.tp.size > 1 and self.config.async_scheduling:
+            # every rank keeps the samples: the next step, planned ahead, may take its inputs there
+            if self.tp.rank != 0:
+                self.last_sampled = torch.empty(len(batch), dtype=torch.int64, device=self.device)
+            dist.broadcast(self.last_sampled, src=0)
+        return SampledTokens(self.last_sampled) if self.tp.rank == 0 else None
 
     def run(self, batch: StepBatch) -> list[int] | None:
         """One step, waiting for its tokens (rank 0) — what TP workers and tools call."""

@@ -62,8 +62,8 @@ class TPExecutor:
 
     def __init__(self, config: Config):
         self.size = config.tensor_parallel_size
-        # only rank 0 holds the sampled tokens a step planned ahead would read
-        self.supports_async_scheduling = self.size == 1
+        # with several ranks, rank 0 broadcasts each step's samples (when async scheduling is on)
+        self.supports_async_scheduling = True
         self.timeout_s = config.worker_timeout_s
         self.procs: list = []
         self.wakes: list = []

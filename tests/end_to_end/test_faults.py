@@ -66,8 +66,8 @@ def raise_on_call(monkeypatch, obj, name: str, nth: int, error: BaseException) -
 def test_ctrl_c_between_collectives_needs_no_restart(llm, prompts, check_whole, monkeypatch, stage):
     pids = worker_pids(llm)
     with monkeypatch.context() as m:
-        if stage == "schedule":
-            raise_on_call(m, llm.scheduler, "schedule", 3, KeyboardInterrupt())
+        if stage == "schedule":  # planning a step, with a step in flight or not
+            raise_on_call(m, llm.scheduler, "_plan", 3, KeyboardInterrupt())
         elif stage == "read back":
             raise_on_call(m, SampledTokens, "tolist", 3, KeyboardInterrupt())
         else:

@@ -76,3 +76,26 @@ def test_second_tp_engine_in_one_process_is_refused_clearly(qwen3_dir, prompts, 
             solo.exit()
     finally:
         llm.exit()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tp2_steps_planned_ahead_read_broadcast_samples(qwen3_dir, prompts, hf_reference, async_scheduling):
+    """With async scheduling every rank takes a planned step's inputs from the samples rank 0
+    broadcast; prompts arriving while others decode make mixed steps planned ahead too."""
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, async_scheduling=async_scheduling, **OPTIONS)
+    launched = []
+    original = llm.executor.launch
+    llm.executor.launch = lambda batch: launched.append(batch) or original(batch)
+    try:
+        pending, seqs, num_steps = list(prompts), [], 0
+        while pending or not llm.is_finished():
+            if pending and num_steps % 3 == 0:
+                seqs.append(llm.add_request(pending.pop(0), GREEDY))
+            llm.step()
+            num_steps += 1
+        assert [s.completion_token_ids for s in seqs] == hf_reference(qwen3_dir, prompts, 16)
+        ahead = [b for b in launched if b.previous_sample_rows]
+        assert bool(ahead) == async_scheduling
+        assert not async_scheduling or any(not b.is_decode for b in ahead), "no mixed step planned ahead"
+    finally:
+        llm.exit()
