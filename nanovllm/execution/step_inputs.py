@@ -83,7 +83,7 @@ class StepInputBuilder:
         context_lens = starts + q_lens
         blocks = self.block_tables.host[rows[row_of_token], positions // bs].astype(np.int64)
         arrays = {
-            # first, at storage offset 0: the compiled rotary embedding guards on its offset
+            # first, at storage offset 0: compiled code guards on its inputs' offsets
             "positions": positions,
             "input_ids": np.asarray(batch.token_ids, dtype=np.int64),
             "slots": blocks * bs + positions % bs,

@@ -67,8 +67,3 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def is_prefilling(self) -> bool:
-        """True while more than the last token still lacks KV (prompt chunks or recompute)."""
-        return self.num_computed_tokens < len(self.token_ids) - 1

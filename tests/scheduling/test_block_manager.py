@@ -114,7 +114,6 @@ def test_full_prefix_hit_still_leaves_the_last_token(block_size):
     assert b.num_computed_tokens == ((len(prompt) - 1) // block_size) * block_size
     assert b.num_computed_tokens == b.num_cached_tokens
     assert len(b.block_table) == 2
-    assert b.is_prefilling or b.num_computed_tokens == len(b) - 1
     check_invariants(bm, [a, b])
 
 
