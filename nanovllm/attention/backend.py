@@ -1,5 +1,6 @@
 """The interface every attention backend implements, and the metadata it reads."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -86,6 +87,9 @@ class AttentionBackend:
     name: str = ""
     supports_cuda_graphs: bool = True
 
+    qk_prologue: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    """:func:`~nanovllm.kernels.qk_norm_rope_store.qk_norm_rope_store` or its reference."""
+
     def prepare(
         self,
         q: torch.Tensor,
@@ -94,10 +98,11 @@ class AttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
-        transform: "QKTransform",
+        t: QKTransform,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply ``transform`` to q and k, store k and v in the paged cache; returns q and k."""
-        raise NotImplementedError
+        """Apply ``t`` to q and k, store k and v in the paged cache; returns q and k."""
+        norms = (t.q_norm_weight, t.k_norm_weight, t.eps)
+        return self.qk_prologue(q, k, v, t.positions, t.cos_sin_cache, *norms, k_cache, v_cache, slot_mapping)
 
     def prefill(
         self,

@@ -3,27 +3,13 @@
 import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-from nanovllm.attention.backend import AttentionBackend, AttentionMetadata, QKTransform
+from nanovllm.attention.backend import AttentionBackend, AttentionMetadata
 from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store
 
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
-
-    def prepare(self, q, k, v, k_cache, v_cache, slot_mapping, t: QKTransform):
-        return qk_norm_rope_store(
-            q,
-            k,
-            v,
-            t.positions,
-            t.cos_sin_cache,
-            t.q_norm_weight,
-            t.k_norm_weight,
-            t.eps,
-            k_cache,
-            v_cache,
-            slot_mapping,
-        )
+    qk_prologue = staticmethod(qk_norm_rope_store)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.has_prefix:  # read the cached prefix (and the new tokens) from the paged cache

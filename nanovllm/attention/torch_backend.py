@@ -2,7 +2,7 @@
 
 import torch
 
-from nanovllm.attention.backend import AttentionBackend, AttentionMetadata, QKTransform
+from nanovllm.attention.backend import AttentionBackend, AttentionMetadata
 from nanovllm.kernels.decode_attention import paged_decode_attention_ref
 from nanovllm.kernels.prefill_attention import paged_prefill_attention_ref
 from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store_ref
@@ -10,22 +10,8 @@ from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store_ref
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    qk_prologue = staticmethod(qk_norm_rope_store_ref)
     supports_cuda_graphs = False  # the reference loops over sequences on the host
-
-    def prepare(self, q, k, v, k_cache, v_cache, slot_mapping, t: QKTransform):
-        return qk_norm_rope_store_ref(
-            q,
-            k,
-            v,
-            t.positions,
-            t.cos_sin_cache,
-            t.q_norm_weight,
-            t.k_norm_weight,
-            t.eps,
-            k_cache,
-            v_cache,
-            slot_mapping,
-        )
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_prefill_attention_ref(

@@ -4,7 +4,7 @@ import inspect
 
 import torch
 
-from nanovllm.attention.backend import AttentionBackend, AttentionMetadata, QKTransform
+from nanovllm.attention.backend import AttentionBackend, AttentionMetadata
 from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.prefill_attention import paged_prefill_attention
 from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store
@@ -28,24 +28,10 @@ def _find_varlen_attn():
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    qk_prologue = staticmethod(qk_norm_rope_store)
 
     def __init__(self) -> None:
         self.varlen_attn = _find_varlen_attn()
-
-    def prepare(self, q, k, v, k_cache, v_cache, slot_mapping, t: QKTransform):
-        return qk_norm_rope_store(
-            q,
-            k,
-            v,
-            t.positions,
-            t.cos_sin_cache,
-            t.q_norm_weight,
-            t.k_norm_weight,
-            t.eps,
-            k_cache,
-            v_cache,
-            slot_mapping,
-        )
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not meta.has_prefix and self.varlen_attn is not None and q.is_cuda and q.dtype != torch.float32:

@@ -44,11 +44,8 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        transform = QKTransform(positions, self.rotary_emb.cos_sin_cache)
-        if self.has_qk_norm:
-            transform.q_norm_weight, transform.k_norm_weight = self.q_norm.weight, self.k_norm.weight
-            transform.eps = self.q_norm.eps
-        o = self.attn(q, k, v, transform, meta)
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.has_qk_norm else ()
+        o = self.attn(q, k, v, QKTransform(positions, self.rotary_emb.cos_sin_cache, *norm), meta)
         return self.o_proj(o.flatten(1, -1))
 
 

@@ -85,7 +85,8 @@ class Scheduler:
                     (seq, start) for seq, start in continuing if seq.status == SequenceStatus.RUNNING
                 ]
         budget -= len(from_previous) + len(decodes)
-        chunks = self._prompt_chunks(continuing, budget, admit=not preempted)
+        # without mixed steps admission was tried above, and decode slots only take blocks
+        chunks = self._prompt_chunks(continuing, budget, admit=self.mixed_steps and not preempted)
         if not from_previous and not decodes and not chunks:
             return None
         return ScheduledStep.plan(from_previous, decodes, chunks)
@@ -95,17 +96,12 @@ class Scheduler:
     ) -> tuple[list[tuple[Sequence, int]], list[Sequence], list[tuple[Sequence, int]]]:
         """Split the running sequences by what they compute next: ``(seq, row in flight)``
         for a token in flight, a known last token, ``(seq, start)`` for more prompt."""
+        in_flight_rows, in_flight_tokens = {}, []
+        if in_flight is not None:
+            in_flight_rows = {seq.seq_id: i for i, seq in enumerate(in_flight.seqs)}
+            in_flight_tokens = in_flight.batch.num_tokens
         from_previous, decodes, continuing = [], [], []
-        if in_flight is None:
-            for seq in self.running:
-                start = seq.num_computed_tokens
-                if start == len(seq.token_ids) - 1:
-                    decodes.append(seq)
-                else:
-                    continuing.append((seq, start))
-            return from_previous, decodes, continuing
-        in_flight_rows = {seq.seq_id: i for i, seq in enumerate(in_flight.seqs)}
-        in_flight_tokens, max_model_len = in_flight.batch.num_tokens, self.max_model_len
+        max_model_len = self.max_model_len
         for seq in self.running:
             row = in_flight_rows.get(seq.seq_id, -1)
             length = len(seq.token_ids)

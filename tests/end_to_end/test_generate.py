@@ -3,6 +3,7 @@
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from tests.end_to_end.arrivals import num_mixed_steps, run_with_arrivals
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 BASE = dict(device="cpu", dtype="float32", max_model_len=512, max_num_seqs=16)
@@ -212,15 +213,9 @@ def test_mixed_steps_on_and_off_match_hf(qwen3_dir, prompts, hf_reference, mixed
         async_scheduling=async_scheduling,
     )
     try:
-        pending, seqs, num_steps, num_mixed = list(prompts), [], 0, 0
-        while pending or not llm.is_finished():
-            if pending and num_steps % 3 == 0:
-                seqs.append(llm.add_request(pending.pop(0), GREEDY))
-            result = llm.step()
-            num_steps += 1
-            num_mixed += result.num_prefill_tokens > 0 and result.num_decode_tokens > 0
+        seqs, results = run_with_arrivals(llm, prompts, GREEDY)
         assert [s.completion_token_ids for s in seqs] == hf_reference(qwen3_dir, prompts, 24)
-        assert (num_mixed > 0) == mixed
+        assert (num_mixed_steps(results) > 0) == mixed
     finally:
         llm.exit()
 

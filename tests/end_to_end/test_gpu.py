@@ -7,6 +7,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from tests.checkpoints import make_random_checkpoint
+from tests.end_to_end.arrivals import num_mixed_steps, run_with_arrivals
 from tests.end_to_end.test_logits import hf_logits, prefill_logits
 
 pytestmark = [
@@ -89,15 +90,9 @@ def test_prompts_arriving_while_others_decode_match_hf(gpu_model_dir, prompts, h
         gpu_model_dir, backend, False, max_num_batched_tokens=40, mixed_steps=mixed, async_scheduling=True
     )
     try:
-        pending, seqs, num_steps, num_mixed = list(prompts), [], 0, 0
-        while pending or not llm.is_finished():
-            if pending and num_steps % 3 == 0:
-                seqs.append(llm.add_request(pending.pop(0), GREEDY))
-            result = llm.step()
-            num_steps += 1
-            num_mixed += result.num_prefill_tokens > 0 and result.num_decode_tokens > 0
+        seqs, results = run_with_arrivals(llm, prompts, GREEDY)
         assert [s.completion_token_ids for s in seqs] == hf_reference(gpu_model_dir, prompts, 32)
-        assert (num_mixed > 0) == mixed
+        assert (num_mixed_steps(results) > 0) == mixed
     finally:
         llm.exit()
 

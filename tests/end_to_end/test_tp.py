@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from tests.end_to_end.arrivals import run_with_arrivals
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 OPTIONS = dict(device="cpu", dtype="float32", max_model_len=256, kvcache_block_size=16, max_num_seqs=8)
@@ -87,12 +88,7 @@ def test_tp2_steps_planned_ahead_read_broadcast_samples(qwen3_dir, prompts, hf_r
     original = llm.executor.launch
     llm.executor.launch = lambda batch: launched.append(batch) or original(batch)
     try:
-        pending, seqs, num_steps = list(prompts), [], 0
-        while pending or not llm.is_finished():
-            if pending and num_steps % 3 == 0:
-                seqs.append(llm.add_request(pending.pop(0), GREEDY))
-            llm.step()
-            num_steps += 1
+        seqs, _ = run_with_arrivals(llm, prompts, GREEDY)
         assert [s.completion_token_ids for s in seqs] == hf_reference(qwen3_dir, prompts, 16)
         ahead = [b for b in launched if b.previous_sample_rows]
         assert bool(ahead) == async_scheduling
