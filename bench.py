@@ -44,6 +44,10 @@ def model_dir(args) -> tuple[str, bool]:
     return path, True
 
 
+def max_num_seqs_option(args) -> dict:
+    return {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+
+
 def run_nanovllm(args, path, dummy, prompts, max_tokens) -> list[float]:
     from nanovllm import LLM, SamplingParams
 
@@ -58,6 +62,7 @@ def run_nanovllm(args, path, dummy, prompts, max_tokens) -> list[float]:
         async_scheduling=args.async_scheduling,
         mixed_steps=args.mixed_steps,
         kv_cache_dtype=args.kv_cache_dtype,
+        **max_num_seqs_option(args),
     )
     print(f"nanovllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
@@ -84,6 +89,7 @@ def run_vllm(args, path, dummy, prompts, max_tokens) -> list[float]:
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tp,
         kv_cache_dtype=args.kv_cache_dtype,
+        **max_num_seqs_option(args),
     )
     print(f"vllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
     params = [
@@ -169,6 +175,9 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto", help='"auto" or "fp8" (nanovllm and vLLM)')
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=None, help="running requests at most (default: each engine's own)"
+    )
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,

@@ -2,11 +2,15 @@
 
     PYTHONPATH=. python3 benchmarks/profile_decode_step.py [--shape qwen3-8b] [--batch 256] [--context 1024]
 
+With ``--prompt-tokens N`` every timed step is a mixed one: the decodes plus a new N-token
+prompt (a request of one output token, so the batch stays the same size).
+
 Prints wall time per step split into engine parts (schedule, prepare + forward + sample,
 postprocess), the GPU-busy time and the number of kernels per step, and the top CUDA kernels.
 """
 
 import argparse
+import random
 import tempfile
 import time
 
@@ -15,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo_models import SHAPES, write_config
+from nanovllm.scheduling import ScheduledStep
 
 
 def main() -> None:
@@ -24,6 +29,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="a new prompt in every step")
     args = parser.parse_args()
     path = tempfile.mkdtemp()
     write_config(path, args.shape)
@@ -32,6 +38,14 @@ def main() -> None:
     for i in range(args.batch):
         llm.add_request([(i * 7 + j) % 10000 for j in range(args.context)], params)
     sched, runner = llm.scheduler, llm.executor.runner
+    rng = random.Random(0)
+
+    def schedule() -> ScheduledStep:
+        if args.prompt_tokens:  # random tokens: no prefix-cache hits
+            prompt = [rng.randrange(10000) for _ in range(args.prompt_tokens)]
+            llm.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1))
+        return sched.schedule()
+
     while True:  # prefill everything
         step = sched.schedule()
         if step.is_decode:
@@ -46,7 +60,7 @@ def main() -> None:
     start_ev.record()
     for _ in range(args.steps):
         a = time.perf_counter()
-        step = sched.schedule()
+        step = schedule()
         b = time.perf_counter()
         tokens = runner.run(step.batch)
         c = time.perf_counter()
@@ -57,12 +71,13 @@ def main() -> None:
     end_ev.record()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / args.steps * 1e3
-    print(f"batch {len(step.seqs)}, context ~{args.context}: {wall:.3f} ms/step wall")
+    kind = f" + a {args.prompt_tokens}-token prompt" if args.prompt_tokens else ""
+    print(f"batch {args.batch}{kind}, context ~{args.context}: {wall:.3f} ms/step wall")
     for k, v in parts.items():
         print(f"  {k:12s} {v / args.steps * 1e3:.3f} ms")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            step = sched.schedule()
+            step = schedule()
             sched.postprocess(step, runner.run(step.batch))
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]

@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="the engine's (default: its own)")
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
     args = parser.parse_args()
@@ -78,6 +79,7 @@ def main() -> None:
         async_scheduling=args.async_scheduling,
         mixed_steps=args.mixed_steps,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
     )
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
@@ -143,6 +145,12 @@ def main() -> None:
             mine = [s for s in steps if s[1] == kind]
             seconds, prompt, decode = (sum(s[i] for s in mine) for i in (0, 2, 3))
             print(f"  {kind:8s} {len(mine):6d} {seconds:9.3f} {prompt:14,d} {decode:14,d}")
+        print("decode steps by rows: rows  steps  wall (s)  ms/step")
+        for low, high in ((1, 16), (17, 64), (65, 256), (257, 512), (513, 1 << 30)):
+            mine = [s[0] for s in steps if s[1] == "decode" and low <= s[3] <= high]
+            if mine:
+                label = f"{low}-{high}" if high < 1 << 30 else f"{low}+"
+                print(f"  {label:>9s} {len(mine):6d} {sum(mine):9.3f} {1e3 * sum(mine) / len(mine):8.2f}")
         for k, v in sorted(host.items()):
             print(f"  {k:28s} {v:.3f}" + (" s" if not k.startswith("#") else ""))
         slow = sorted(range(len(steps)), key=lambda i: -steps[i][0])[:8]
