@@ -1,10 +1,11 @@
 """TFLOP/s of prefill attention on long causal prompts, against a bf16 GEMM's in the same run.
 
 Run from the project root: ``PYTHONPATH=. python3 benchmarks/bench_prefill_attention.py``.
-Two paths, as the Triton backend takes them: prompts with no cached prefix go to torch's
-varlen flash attention (K/V from the step itself); prompts after a cached prefix to our paged
-kernel (K/V from the cache). FLOPs count what causal attention must do:
-4 * heads * head_dim * (new * prefix + new**2 / 2) per sequence.
+Our paged kernel (K/V from the cache), which the Triton backend runs for prompts after a cached
+prefix, and for every prompt where torch has no GQA-capable varlen flash attention; with no
+prefix, also torch's varlen attention (K/V from the step itself) where it exists.
+FLOPs count what causal attention must do: 4 * heads * head_dim * (new * prefix + new**2 / 2)
+per sequence.
 """
 
 import argparse
@@ -30,19 +31,25 @@ def attention_flops(heads: int, head_dim: int, prefix: int, new: int, batch: int
     return batch * 4 * heads * head_dim * (new * prefix + new * new / 2)
 
 
-def bench(shape: str, batch: int, prefix: int, new: int, rep_ms: int) -> tuple[str, float]:
+def bench(shape: str, batch: int, prefix: int, new: int, rep_ms: int) -> list[tuple[str, float]]:
+    """TFLOP/s of our paged kernel and, with no prefix, of torch's varlen flash attention."""
     heads, kv_heads, head_dim = SHAPES[shape]
     q = torch.randn(batch * new, heads, head_dim, dtype=DTYPE, device="cuda")
     cu_q = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device="cuda")
     scale = head_dim**-0.5
+    flops = attention_flops(heads, head_dim, prefix, new, batch)
+    results = []
     if prefix == 0:
         varlen = _find_varlen_attn()
         if varlen is None:
-            return "varlen (missing)", float("nan")
-        k = torch.randn(batch * new, kv_heads, head_dim, dtype=DTYPE, device="cuda")
-        v = torch.randn_like(k)
-        ms = do_bench(lambda: varlen(q, k, v, cu_q, cu_q, new, new, scale=scale, enable_gqa=True), rep=rep_ms)
-        return "varlen flash", attention_flops(heads, head_dim, 0, new, batch) / ms / 1e9
+            results.append(("varlen (missing)", float("nan")))
+        else:
+            k = torch.randn(batch * new, kv_heads, head_dim, dtype=DTYPE, device="cuda")
+            v = torch.randn_like(k)
+            ms = do_bench(
+                lambda: varlen(q, k, v, cu_q, cu_q, new, new, scale=scale, enable_gqa=True), rep=rep_ms
+            )
+            results.append(("varlen flash", flops / ms / 1e9))
     blocks_per_seq = -(-(prefix + new) // BLOCK)
     shape4 = (batch * blocks_per_seq, BLOCK, kv_heads, head_dim)
     k_cache = torch.randn(shape4, dtype=DTYPE, device="cuda")
@@ -53,7 +60,8 @@ def bench(shape: str, batch: int, prefix: int, new: int, rep_ms: int) -> tuple[s
     ms = do_bench(
         lambda: paged_prefill_attention(q, k_cache, v_cache, cu_q, ctx, tables, scale, new), rep=rep_ms
     )
-    return "paged Triton", attention_flops(heads, head_dim, prefix, new, batch) / ms / 1e9
+    results.append(("paged Triton", flops / ms / 1e9))
+    return results
 
 
 def main() -> None:
@@ -65,15 +73,15 @@ def main() -> None:
     rep_ms = 50 if args.quick else 200
     peak = gemm_tflops(rep_ms)
     print(f"{torch.cuda.get_device_name()}: bf16 GEMM 8192^3 at {peak:.0f} TFLOP/s")
-    print(f"{'shape':>10} {'batch':>5} {'prefix':>6} {'new':>6} {'path':>14} {'TFLOP/s':>8} {'% GEMM':>6}")
-    cases = [(4, 0, 4096), (1, 0, 16384), (4, 4096, 1024), (1, 8192, 4096)]
+    print(f"{'shape':>10} {'batch':>5} {'prefix':>6} {'new':>6} {'path':>16} {'TFLOP/s':>8} {'% GEMM':>6}")
+    cases = [(4, 0, 4096), (1, 0, 16384), (1, 0, 1536), (4, 4096, 1024), (1, 8192, 4096)]
     for shape in SHAPES:
         for batch, prefix, new in cases[:2] if args.quick else cases:
-            path, tflops = bench(shape, batch, prefix, new, rep_ms)
-            print(
-                f"{shape:>10} {batch:>5} {prefix:>6} {new:>6} {path:>14} {tflops:>8.0f} "
-                f"{100 * tflops / peak:>5.0f}%"
-            )
+            for path, tflops in bench(shape, batch, prefix, new, rep_ms):
+                print(
+                    f"{shape:>10} {batch:>5} {prefix:>6} {new:>6} {path:>16} {tflops:>8.0f} "
+                    f"{100 * tflops / peak:>5.0f}%"
+                )
             torch.cuda.empty_cache()
 
 

@@ -1,21 +1,11 @@
 """SwiGLU activation on a fused gate/up projection."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 
 
 class SiluAndMul(nn.Module):
-    compilable = ("fn",)
-
-    def __init__(self):
-        super().__init__()
-        self.fn = silu_and_mul
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(x)
+        return silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)
