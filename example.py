@@ -41,17 +41,13 @@ def run(path: str, args: argparse.Namespace, demo: bool) -> None:
     )
     try:
         sampling_params = SamplingParams(temperature=0.6, max_tokens=args.max_tokens)
-        prompts = ["introduce yourself", "list all prime numbers within 100"]
-        if not demo and llm.tokenizer.chat_template:
-            prompts = [
-                llm.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-                )
-                for p in prompts
-            ]
-        outputs = llm.generate(prompts, sampling_params)
-        for prompt, output in zip(prompts, outputs):
-            print(f"\nPrompt: {prompt!r}\nCompletion: {output['text']!r}")
+        questions = ["introduce yourself", "list all prime numbers within 100"]
+        if llm.get_tokenizer().chat_template:
+            outputs = llm.chat([[{"role": "user", "content": q}] for q in questions], sampling_params)
+        else:
+            outputs = llm.generate(questions, sampling_params)
+        for output in outputs:
+            print(f"\nPrompt: {output.prompt!r}\nCompletion: {output.outputs[0].text!r}")
     finally:
         llm.exit()
 

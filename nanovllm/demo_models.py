@@ -43,6 +43,11 @@ _CORPUS = (
     "reuses blocks that hold the same tokens. list all prime numbers within 100. introduce yourself"
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if not (loop.last and continue_final_message) %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def write_config(
@@ -87,6 +92,7 @@ def write_tokenizer(path: str, vocab_size: int) -> int:
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(path)
     return fast.eos_token_id
 

@@ -1,4 +1,4 @@
-"""The user API: ``LLM(model, **options).generate(prompts, sampling_params)``."""
+"""The user API: ``LLM(model, **options)``, then ``generate``, ``stream`` or ``chat``."""
 
 import os
 import weakref
@@ -6,6 +6,8 @@ import weakref
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.execution.tp_executor import TPExecutor
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -37,6 +39,42 @@ class LLM(LLMEngine):
             raise
         # holds the executor, not the engine, so dropping the engine still frees everything
         self._finalizer = weakref.finalize(self, executor.close)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages)
+        or to a list of them, rendered by the tokenizer's chat template (or ``chat_template``)."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model!r} has no tokenizer files: chat needs a tokenizer")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            if not isinstance(conversation, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in conversation
+            ):
+                raise TypeError(f"conversation {i} must be a list of {{'role': ..., 'content': ...}} dicts")
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+            # the template writes any special tokens itself
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def exit(self) -> None:
         super().exit()

@@ -1,37 +1,134 @@
-"""User-facing sampling parameters; names follow vLLM's ``SamplingParams``."""
+"""User-facing sampling parameters, vLLM's ``SamplingParams`` with nano-vllm's positional order."""
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import KW_ONLY, dataclass, field
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_id_list(name: str, value) -> list[int]:
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list of int token ids, got {value!r}")
+    ids = list(value)
+    if not all(_is_int(t) and t >= 0 for t in ids):
+        raise ValueError(f"{name} must hold int token ids >= 0, got {ids!r}")
+    return ids
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to sample one request's completion.
+    """How to sample one request's completions.
 
-    ``temperature=0`` means greedy. ``top_k`` of 0 or -1 disables top-k; ``top_p=1`` and
-    ``min_p=0`` disable those filters. ``seed`` makes a request's samples reproducible,
-    whatever else runs in the same batch.
+    Positional, as in nano-vllm: ``temperature`` (0 = greedy), ``max_tokens`` (None: up to
+    ``max_model_len``), ``ignore_eos``. Every other field is keyword-only, with vLLM's name
+    and meaning:
+
+    - ``n``: completions per prompt, each its own stream, sharing the prompt's KV blocks.
+    - ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]): subtracted from the logit of
+      every token already generated, once / once per occurrence.
+    - ``repetition_penalty`` (> 0, 1 = off): divides positive and multiplies negative logits
+      of every token in the prompt or the completion, as Hugging Face's processor does.
+    - ``top_k`` (0 or -1 = off), ``top_p`` (1 = off), ``min_p`` (0 = off).
+    - ``seed``: makes a request's samples reproducible whatever else runs in the batch.
+    - ``stop``: strings that end a completion when its detokenized text contains one; the
+      text is cut before it unless ``include_stop_str_in_output``.
+    - ``stop_token_ids``: token ids that end a completion (kept in its token ids).
+    - ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before this many tokens.
+    - ``logprobs``: the top-k log-probabilities of each generated token, plus the chosen one.
+    - ``prompt_logprobs``: the same for every prompt token after the first.
+    - ``logit_bias``: ``{token_id: bias}`` added to the logits before sampling.
+    - ``allowed_token_ids``: only these tokens can be sampled.
+    - ``skip_special_tokens``: leave special tokens out of the text; ``detokenize=False``
+      leaves the text empty (token ids only).
     """
 
     temperature: float = 1.0
-    top_k: int = -1
+    max_tokens: int | None = 64
+    ignore_eos: bool = False
+    _: KW_ONLY
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 64
-    ignore_eos: bool = False
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0 <= self.temperature < float("inf"):  # also rejects NaN
+        self._check_numbers()
+        self._check_lists()
+
+    def _check_numbers(self) -> None:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        if not 0 <= self.temperature < math.inf:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0 or None, got {value!r}")
+
+    def _check_lists(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop) if hasattr(self.stop, "__iter__") else self.stop
+            if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_id_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict {{token_id: bias}}, got {self.logit_bias!r}")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                token = int(token) if isinstance(token, str) and token.isdigit() else token
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if not _is_int(token) or token < 0 or not number or not math.isfinite(value):
+                    raise ValueError(
+                        f"logit_bias maps int token ids to finite floats, got {token!r}: {value!r}"
+                    )
+                bias[token] = float(value)
+            self.logit_bias = bias
+
+    @property
+    def token_ids_in_params(self) -> list[int]:
+        """Every token id these parameters name, for the engine to check against the vocabulary."""
+        return self.stop_token_ids + (self.allowed_token_ids or []) + list(self.logit_bias or ())

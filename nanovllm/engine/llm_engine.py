@@ -2,12 +2,15 @@
 
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import count
 
 from nanovllm.config import Config
 from nanovllm.engine.executor import Executor, SampledTokens
 from nanovllm.engine.progress import ProgressBar
+from nanovllm.engine.requests import PromptInput, Request, parse_prompts, sample_params
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.scheduling import BlockManager, ScheduledStep, Scheduler, Sequence
 
@@ -23,8 +26,13 @@ class StepResult:
     """What one :meth:`LLMEngine.step` did."""
 
     finished: list[Sequence]
+    seqs: list[Sequence]
+    """The step's sequences; those of a prompt chunk have no new token."""
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+
+
+UNSUPPORTED_PARAMS = ("logprobs", "prompt_logprobs")
 
 
 class LLMEngine:
@@ -50,7 +58,14 @@ class LLMEngine:
         )
         self.in_flight: deque[InFlightStep] = deque()
         self.seq_ids = count()
+        self.request_ids = count()
+        self.tracked: dict[int, tuple[Request, int]] = {}
+        """Each queued sequence's request and completion index, while a call runs."""
         self.async_scheduling = config.async_scheduling and executor.supports_async_scheduling
+
+    def get_tokenizer(self):
+        """The model folder's Hugging Face tokenizer (None when it has no tokenizer files)."""
+        return self.tokenizer
 
     def exit(self) -> None:
         """Stop workers and free the KV cache, CUDA graphs and shared memory. Idempotent."""
@@ -58,16 +73,14 @@ class LLMEngine:
             self.executor.close()
             self.executor = None
 
-    def _to_token_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.config.model!r} has no tokenizer files: pass prompts as token ids")
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
-            raise ValueError("a prompt must be a string or a list of int token ids")
-        return list(prompt)
+    def _to_token_ids(self, i: int, prompt: PromptInput) -> list[int]:
+        if prompt.token_ids is not None:
+            return prompt.token_ids
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model!r} has no tokenizer files: pass prompts as token ids")
+        return self.tokenizer.encode(prompt.text)
 
-    def _validate(self, i: int, token_ids: list[int]) -> None:
+    def _validate(self, i: int, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError(f"prompt {i} is empty")
         if len(token_ids) > self.config.max_model_len:
@@ -79,17 +92,50 @@ class LLMEngine:
             raise ValueError(
                 f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
             )
+        bad = [t for t in params.token_ids_in_params if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"sampling params of prompt {i} name token ids outside the vocabulary "
+                f"[0, {self.vocab_size}): {bad[:5]}"
+            )
+        for name in UNSUPPORTED_PARAMS:
+            if getattr(params, name) is not None:
+                raise ValueError(f"sampling params of prompt {i}: {name} is not supported yet")
 
-    def _new_sequence(self, i: int, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
-        """Prompt ``i`` as a checked sequence, not yet queued."""
-        token_ids = self._to_token_ids(prompt)
-        self._validate(i, token_ids)
-        return Sequence(next(self.seq_ids), token_ids, sampling_params)
+    def _new_request(self, i: int, prompt: PromptInput, params: SamplingParams) -> Request:
+        """Prompt ``i`` as a checked request with its ``n`` sequences, not yet queued."""
+        token_ids = self._to_token_ids(i, prompt)
+        self._validate(i, token_ids, params)
+        samples = [sample_params(params, k, self.config.max_model_len) for k in range(params.n)]
+        seqs = [Sequence(next(self.seq_ids), token_ids, p) for p in samples]
+        if self.config.enable_prefix_caching:
+            for seq in seqs[1:]:
+                seq.prompt_source = seqs[0]
+        return Request(str(next(self.request_ids)), prompt, token_ids, params, seqs, self.tokenizer)
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
-        seq = self._new_sequence(0, prompt, sampling_params)
-        self.scheduler.add(seq)
-        return seq
+    def add_requests(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None
+    ) -> list[Request]:
+        """Check every prompt and its parameters, then queue them all (or none)."""
+        inputs = parse_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, (list, tuple)):
+            sampling_params = [sampling_params] * len(inputs)
+        if len(sampling_params) != len(inputs):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(inputs)} prompts")
+        if not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise ValueError("sampling_params must be SamplingParams or a list of them")
+        requests = [self._new_request(i, p, sp) for i, (p, sp) in enumerate(zip(inputs, sampling_params))]
+        for request in requests:
+            for index, seq in enumerate(request.seqs):
+                self.scheduler.add(seq)
+                self.tracked[seq.seq_id] = (request, index)
+        return requests
+
+    def add_request(self, prompt, sampling_params: SamplingParams) -> Sequence:
+        """Queue one prompt of one completion; returns its sequence (tools drive ``step``)."""
+        return self.add_requests([prompt], sampling_params)[0].seqs[0]
 
     def _launch(self, step: ScheduledStep) -> None:
         self.in_flight.append(InFlightStep(step, self.executor.launch(step.batch)))
@@ -119,7 +165,7 @@ class LLMEngine:
             elif not seq.is_finished:  # else a planned-ahead row of a sequence that just ended
                 num_decode += 1
         finished = self.scheduler.postprocess(step, done.tokens.tolist())
-        return StepResult(finished, num_prefill, num_decode)
+        return StepResult(finished, step.seqs, num_prefill, num_decode)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self.in_flight
@@ -133,41 +179,75 @@ class LLMEngine:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]] | str,
+        prompts,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
-    ) -> list[dict]:
-        """Complete every prompt; returns ``[{"text", "token_ids"}]`` (completion only), in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-        if not all(isinstance(p, SamplingParams) for p in sampling_params):
-            raise ValueError("sampling_params must be SamplingParams or a list of them")
-        seqs = [self._new_sequence(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
-        for seq in seqs:  # queued only once every prompt passed its checks
-            self.scheduler.add(seq)
-        bar = ProgressBar(len(seqs), enabled=use_tqdm)
+    ) -> list[RequestOutput]:
+        """Complete every prompt; returns one :class:`RequestOutput` per prompt, in order.
+
+        ``prompts``: a string, a list of token ids, ``{"prompt": ...}`` or
+        ``{"prompt_token_ids": [...]}``, or a list of any of these.
+        """
+        requests = self._start(prompts, sampling_params)
+        for _ in self._run(requests, use_tqdm, stream=False):
+            pass
+        return [request.output() for request in requests]
+
+    def stream(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> Iterator[RequestOutput]:
+        """Like :meth:`generate`, but yields a request's output (its text and tokens so far,
+        ``finished`` on the last one) each time a step adds to it. Closing the iterator early
+        (``break``, ``close()``) cancels the requests left and frees their KV blocks."""
+        requests = self._start(prompts, sampling_params)
+        return self._run(requests, use_tqdm, stream=True)
+
+    def _start(self, prompts, sampling_params) -> list[Request]:
+        if self.executor is None:
+            raise RuntimeError("this engine has been shut down")
+        if self.tracked:
+            raise RuntimeError("a stream of this engine is still running: consume or close it first")
+        return self.add_requests(prompts, sampling_params)
+
+    def _run(self, requests: list[Request], use_tqdm: bool, stream: bool) -> Iterator[RequestOutput]:
+        follow_text = stream or any(r.params.stop for r in requests)
+        bar = ProgressBar(sum(len(r.seqs) for r in requests), enabled=use_tqdm)
         try:
             while not self.is_finished():
                 start = time.perf_counter()
                 r = self.step()
-                bar.update(
-                    len(r.finished), r.num_prefill_tokens, r.num_decode_tokens, time.perf_counter() - start
-                )
-        except BaseException:
+                changed = self._follow(r.seqs) if follow_text else ()
+                seconds = time.perf_counter() - start
+                bar.update(len(r.finished), r.num_prefill_tokens, r.num_decode_tokens, seconds)
+                if stream:
+                    for request in changed:
+                        yield request.output()
+        except BaseException:  # an error, Ctrl-C, or a consumer closing the stream
             self.abort_all()
             raise
         finally:
             bar.close()
-        return [
-            {"text": self._decode(seq.completion_token_ids), "token_ids": seq.completion_token_ids}
-            for seq in seqs
-        ]
+            self.tracked.clear()
+        if not follow_text:
+            for request in requests:
+                request.decode_all()
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+    def _follow(self, seqs: list[Sequence]) -> list[Request]:
+        """Detokenize what the step added and end sequences whose text reached a stop string;
+        returns the requests that changed, each once."""
+        changed = {}
+        for seq in seqs:
+            entry = self.tracked.get(seq.seq_id)
+            if entry is None or not seq.num_completion_tokens:
+                continue
+            request, index = entry
+            if request.num_emitted[index] == seq.num_completion_tokens:
+                continue  # a prompt chunk, or a row planned ahead of its sequence's end
+            stop = request.update_text(index)
+            if stop is not None:
+                self.scheduler.stop(seq, stop)
+            changed[request.request_id] = request
+        return list(changed.values())

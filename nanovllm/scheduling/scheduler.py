@@ -150,7 +150,7 @@ class Scheduler:
             budget -= n
         while admit and self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.allocate(seq):
+            if _prompt_source_pending(seq) or not self.block_manager.allocate(seq):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -202,10 +202,22 @@ class Scheduler:
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return "stop"
         if token_id in params.stop_token_ids:
+            seq.stop_reason = token_id
             return "stop"
         if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None
+
+    def stop(self, seq: Sequence, stop_reason: str) -> None:
+        """End ``seq`` ("stop") for a reason found outside the scheduler (a stop string); one
+        that just ended for another reason (its length) takes this reason instead."""
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            self._release(seq)
+            seq.status = SequenceStatus.FINISHED
+        elif not seq.is_finished:
+            self._finish(seq, "stop")
+        seq.finish_reason, seq.stop_reason = "stop", stop_reason
 
     def abort_all(self) -> list[Sequence]:
         """End every waiting and running sequence ("abort") and take back every block and row,
@@ -219,3 +231,12 @@ class Scheduler:
         self.block_manager.release_all()
         self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))
         return aborted
+
+
+def _prompt_source_pending(seq: Sequence) -> bool:
+    """A parallel sample waits until its first sibling has computed the prompt, so that it
+    finds the prompt's full blocks in the prefix cache instead of computing them again."""
+    source = seq.prompt_source
+    if source is None or source.is_finished:
+        return False
+    return source.num_computed_tokens < source.num_prompt_tokens

@@ -33,6 +33,8 @@ class Sequence:
         "num_blocks_sent",
         "params",
         "finish_reason",
+        "stop_reason",
+        "prompt_source",
     )
 
     def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams) -> None:
@@ -52,6 +54,11 @@ class Sequence:
         """Entries of ``block_table`` that the executor has already been sent."""
         self.params = params
         self.finish_reason: str | None = None
+        """"stop", "length" or "abort" once finished."""
+        self.stop_reason: int | str | None = None
+        """The stop token id or stop string that ended it (None for EOS and length)."""
+        self.prompt_source: Sequence | None = None
+        """The sibling (of ``n`` parallel samples) whose computed prompt this one reuses."""
 
     def __len__(self) -> int:
         return len(self.token_ids)

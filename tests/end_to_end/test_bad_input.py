@@ -72,11 +72,13 @@ def test_bad_engine_options(qwen3_dir, options, match):
         ([[1, 2, 3], list(range(3, 3 + 65))], "more than max_model_len=64"),
         ([[1, 2, 512]], "outside the vocabulary"),
         ([[1, -1]], "outside the vocabulary"),
-        ([[1.5, 2]], "token ids"),
+        ([[1, 2], [1.5, 2]], TypeError("prompt 1: token ids must be ints")),
+        ([[1, 2], {"prompt_ids": [1]}], "prompt 1: unknown keys"),
     ],
 )
 def test_bad_prompts_fail_whole_call_before_work(llm, prompts, match):
-    with pytest.raises(ValueError, match=match):
+    error = type(match) if isinstance(match, Exception) else ValueError
+    with pytest.raises(error, match=str(match)):
         llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.is_finished()  # nothing was queued
     out = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
