@@ -103,6 +103,7 @@ def test_orchestration_reaches_execution_only_through_the_executor_interface():
             assert in_layer(dep, "engine", "scheduling") or dep in (
                 "nanovllm.config",
                 "nanovllm.sampling_params",
+                "nanovllm.outputs",
             ), (
                 module,
                 dep,
