@@ -12,6 +12,11 @@ class SampledTokens(Protocol):
         """Wait for the step and return its tokens."""
         ...
 
+    def logprobs(self) -> list[tuple[float, list[int], list[float]]] | None:
+        """After :meth:`tolist`, when a row of the step asked for log-probabilities: per row,
+        the sampled token's, and the ids and log-probabilities of the batch's top-k tokens."""
+        ...
+
 
 class Executor(Protocol):
     """Runs steps on the model; built by the caller and handed to the engine."""

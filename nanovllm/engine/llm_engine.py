@@ -32,7 +32,7 @@ class StepResult:
     num_decode_tokens: int = 0
 
 
-UNSUPPORTED_PARAMS = ("logprobs", "prompt_logprobs")
+UNSUPPORTED_PARAMS = ("prompt_logprobs",)
 
 
 class LLMEngine:
@@ -164,7 +164,14 @@ class LLMEngine:
                 num_prefill += 1  # the last token of a prompt
             elif not seq.is_finished:  # else a planned-ahead row of a sequence that just ended
                 num_decode += 1
-        finished = self.scheduler.postprocess(step, done.tokens.tolist())
+        tokens = done.tokens.tolist()
+        finished = self.scheduler.postprocess(step, tokens)
+        row_logprobs = done.tokens.logprobs()
+        if row_logprobs is not None:
+            for seq, token_id, row in zip(step.seqs, tokens, row_logprobs):
+                entry = self.tracked.get(seq.seq_id)
+                if entry is not None and entry[0].logprobs is not None:
+                    entry[0].add_logprobs(entry[1], token_id, row)
         return StepResult(finished, step.seqs, num_prefill, num_decode)
 
     def is_finished(self) -> bool:

@@ -82,7 +82,7 @@ class Request:
     """One prompt's ``n`` sequences, and the text of each as it is generated."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "seqs", "tokenizer", "detokenizers",
-                 "texts", "num_emitted")  # fmt: skip
+                 "texts", "num_emitted", "logprobs", "cumulative_logprobs")  # fmt: skip
 
     def __init__(self, request_id: str, prompt: PromptInput, token_ids: list[int], params: SamplingParams,
                  seqs: list[Sequence], tokenizer) -> None:  # fmt: skip
@@ -93,6 +93,20 @@ class Request:
         self.texts = [""] * len(seqs)
         self.num_emitted = [0] * len(seqs)
         """Completion tokens of each sequence already followed by :meth:`update_text`."""
+        wants_logprobs = params.logprobs is not None
+        self.logprobs: list[list[dict[int, float]]] | None = [[] for _ in seqs] if wants_logprobs else None
+        self.cumulative_logprobs = [0.0] * len(seqs)
+
+    def add_logprobs(self, index: int, token_id: int, row: tuple[float, list[int], list[float]]) -> None:
+        """Record the log-probabilities of sequence ``index``'s newest token (once)."""
+        entries = self.logprobs[index]
+        if len(entries) < self.seqs[index].num_completion_tokens:
+            logprob, ids, values = row
+            k = self.params.logprobs
+            entry = dict(zip(ids[:k], values[:k]))
+            entry[token_id] = logprob
+            entries.append(entry)
+            self.cumulative_logprobs[index] += logprob
 
     @property
     def finished(self) -> bool:
@@ -132,11 +146,16 @@ class Request:
             self.texts = [decode(s.completion_token_ids, skip_special_tokens=skip) for s in self.seqs]
 
     def output(self) -> RequestOutput:
-        completions = [
-            CompletionOutput(i, self.texts[i], seq.completion_token_ids, None, None,
-                             seq.finish_reason, seq.stop_reason)
-            for i, seq in enumerate(self.seqs)
-        ]  # fmt: skip
+        completions = []
+        for i, seq in enumerate(self.seqs):
+            logprobs = self.logprobs[i] if self.logprobs is not None else None
+            cumulative = self.cumulative_logprobs[i] if logprobs is not None else None
+            completions.append(
+                CompletionOutput(
+                    i, self.texts[i], seq.completion_token_ids, cumulative, logprobs,
+                    seq.finish_reason, seq.stop_reason,
+                )
+            )  # fmt: skip
         return RequestOutput(
             self.request_id,
             self.prompt,

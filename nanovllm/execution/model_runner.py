@@ -10,6 +10,7 @@ from nanovllm.execution.compile import compile_elementwise_ops
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.kv_cache import KVCache
 from nanovllm.execution.loader import build_model
+from nanovllm.execution.logprobs import TokenLogprobs, token_logprobs
 from nanovllm.execution.sampler import Sampler
 from nanovllm.execution.step_inputs import StepInputBuilder
 from nanovllm.layers.parallel import TPGroup
@@ -17,23 +18,35 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.scheduling.step import BlockTableUpdate, NewRow, StepBatch
 
 
-class SampledTokens:
-    """A step's sampled token ids, copied to the host without blocking the launch."""
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
-    def __init__(self, tokens: torch.Tensor):
+
+class SampledTokens:
+    """A step's sampled token ids (and log-probabilities, when asked for), copied to the host
+    without blocking the launch."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: TokenLogprobs | None = None):
+        self.host = _to_host(tokens)
+        self.host_logprobs = None
+        if logprobs is not None:
+            parts = (logprobs.sampled, logprobs.top_ids, logprobs.top_logprobs)
+            self.host_logprobs = TokenLogprobs(*map(_to_host, parts))
         self.event = None
         if tokens.is_cuda:
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
-        else:
-            self.host = tokens
 
     def tolist(self) -> list[int]:
         if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
+
+    def logprobs(self) -> list[tuple[float, list[int], list[float]]] | None:
+        return None if self.host_logprobs is None else self.host_logprobs.tolist()
 
 
 def rank_device(config: Config, rank: int) -> torch.device:
@@ -150,14 +163,17 @@ class ModelRunner:
             if not batch.is_decode:
                 hidden = hidden[inputs.last_token_index]
         logits = self.model.compute_logits(hidden)
+        logprobs = None
         if self.tp.rank == 0:
-            self.last_sampled = self.sampler(logits, inputs.sampling)
+            self.last_sampled = self.sampler(logits, inputs.sampling)  # leaves the raw logits as they are
+            if inputs.max_logprobs is not None:
+                logprobs = token_logprobs(logits, self.last_sampled, inputs.max_logprobs)
         if self.tp.size > 1 and self.config.async_scheduling:
             # every rank keeps the samples: the next step, planned ahead, may take its inputs there
             if self.tp.rank != 0:
                 self.last_sampled = torch.empty(len(batch), dtype=torch.int64, device=self.device)
             dist.broadcast(self.last_sampled, src=0)
-        return SampledTokens(self.last_sampled) if self.tp.rank == 0 else None
+        return SampledTokens(self.last_sampled, logprobs) if self.tp.rank == 0 else None
 
     def run(self, batch: StepBatch) -> list[int] | None:
         """One step, waiting for its tokens (rank 0) — what TP workers and tools call."""

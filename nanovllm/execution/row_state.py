@@ -56,6 +56,8 @@ class SamplingRows:
         self.min_p = np.zeros(num_rows, dtype=np.float32)
         self.seeded = np.zeros(num_rows, dtype=bool)
         self.seed = np.zeros(num_rows, dtype=np.int64)
+        self.num_logprobs = np.full(num_rows, -1, dtype=np.int64)
+        self.any_logprobs = False
 
     def update(self, new_rows: list[NewRow]) -> None:
         for r in new_rows:
@@ -64,9 +66,18 @@ class SamplingRows:
             self.temperature[r.row], self.top_k[r.row] = p.temperature, p.top_k
             self.top_p[r.row], self.min_p[r.row] = p.top_p, p.min_p
             self.seeded[r.row] = p.seed is not None
+            self.num_logprobs[r.row] = -1 if p.logprobs is None else p.logprobs
+            self.any_logprobs |= p.logprobs is not None
             if p.seed is not None:  # any Python int, as its 64 bits
                 bits = p.seed & _U64
                 self.seed[r.row] = bits - _I64_SPAN if bits >> 63 else bits
+
+    def max_logprobs(self, rows: np.ndarray) -> int | None:
+        """The most top log-probabilities a row of the batch asks for; None when none asks."""
+        if not self.any_logprobs:
+            return None
+        k = int(self.num_logprobs[rows].max())
+        return k if k >= 0 else None
 
     def arrays(self, rows: np.ndarray, last_positions: np.ndarray) -> dict[str, np.ndarray]:
         """The batch's per-row values; a filter no row uses is left out. A seeded row's draw

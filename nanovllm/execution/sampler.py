@@ -1,10 +1,12 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
+"""Token sampling: per-request logits processing, then greedy, temperature, top-k, top-p,
+min-p, per-request seeds."""
 
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from nanovllm.execution.logits_processors import LogitsTensors, process_logits, record_samples
 from nanovllm.kernels.sample import sample_tokens, sample_tokens_ref
 
 
@@ -21,6 +23,8 @@ class SamplingTensors:
     reproduce exactly whatever else runs in the batch."""
     steps: torch.Tensor | None = None
     all_greedy: bool = False
+    processing: LogitsTensors | None = None
+    """Allowed tokens, logit bias, min_tokens and penalties, applied first; None: no row has any."""
 
 
 class Sampler(nn.Module):
@@ -28,6 +32,13 @@ class Sampler(nn.Module):
     or its torch reference (CPU), from one uniform per row."""
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        if st.processing is None:
+            return self._sample(logits, st)
+        tokens = self._sample(process_logits(logits, st.processing), st)
+        record_samples(st.processing, tokens)
+        return tokens
+
+    def _sample(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         if st.all_greedy:
             return logits.argmax(dim=-1)
         if st.top_ks is not None or st.top_ps is not None or st.min_ps is not None:

@@ -7,6 +7,7 @@ import torch
 
 from nanovllm.attention import AttentionMetadata
 from nanovllm.config import Config
+from nanovllm.execution.logits_processors import LogitsRows
 from nanovllm.execution.row_state import BlockTables, SamplingRows
 from nanovllm.execution.sampler import SamplingTensors
 from nanovllm.scheduling import StepBatch
@@ -29,6 +30,8 @@ class StepInputs:
     sampling: SamplingTensors | None
     last_token_index: torch.Tensor | None
     """With prompt chunks: where each row's last token is, whose hidden state gives its logits."""
+    max_logprobs: int | None = None
+    """The most top log-probabilities a row asks for (None: no row wants log-probabilities)."""
 
 
 class StepInputBuilder:
@@ -40,6 +43,7 @@ class StepInputBuilder:
         self.block_size = config.kvcache_block_size
         self.block_tables = BlockTables(config.max_num_seqs, config.max_blocks_per_seq, device)
         self.sampling_rows = SamplingRows(config.max_num_seqs)
+        self.logits_rows = LogitsRows(config.max_num_seqs, config.max_model_len, config.eos_token_ids, device)
 
     def _upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Copy many small host arrays with one transfer per element size; returns device views.
@@ -99,8 +103,10 @@ class StepInputBuilder:
             cu_k = np.zeros(n - d + 1, dtype=np.int32)
             np.cumsum(context_lens[d:], out=cu_k[1:])
             arrays.update(cu_q=(cu_q[d:] - d).astype(np.int32), cu_k=cu_k, last_token_index=cu_q[1:] - 1)
-        if with_sampling:
+        if with_sampling:  # only rank 0 samples, so only it keeps the logits-processing rows
+            self.logits_rows.update(batch.new_rows)
             arrays.update(self.sampling_rows.arrays(rows, context_lens - 1))
+            arrays.update(self.logits_rows.arrays(rows, context_lens))
         dev = self._upload(arrays)
         if stale_rows.size:
             self.block_tables.write_rows(dev["stale_rows"], dev["stale_tables"])
@@ -126,6 +132,7 @@ class StepInputBuilder:
                 seeds=dev.get("seeds"),
                 steps=dev.get("steps"),
                 all_greedy=not arrays["temperatures"].any(),
+                processing=self.logits_rows.tensors(dev, arrays),
             )
         return StepInputs(
             dev["input_ids"],
@@ -134,6 +141,7 @@ class StepInputBuilder:
             meta,
             sampling,
             dev.get("last_token_index"),
+            self.sampling_rows.max_logprobs(rows) if with_sampling else None,
         )
 
     @staticmethod

@@ -14,6 +14,9 @@ class NewRow:
     row: int
     num_prompt_tokens: int
     params: SamplingParams
+    token_ids: list[int] | None = None
+    """Every token id the sequence has (prompt, then any generated before a preemption), sent
+    only when its params penalise repeats: the executor may not see cached prompt tokens."""
 
 
 @dataclass(slots=True)
@@ -96,7 +99,9 @@ class ScheduledStep:
         for s in seqs:  # send what the executor does not hold yet, once
             sent = s.num_blocks_sent
             if sent == 0:
-                new_rows.append(NewRow(s.row, s.num_prompt_tokens, s.params))
+                p = s.params
+                repeats = p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
+                new_rows.append(NewRow(s.row, s.num_prompt_tokens, p, list(s.token_ids) if repeats else None))
             if len(s.block_table) > sent:
                 updates.append(BlockTableUpdate(s.row, sent, s.block_table[sent:]))
                 s.num_blocks_sent = len(s.block_table)

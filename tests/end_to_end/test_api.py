@@ -136,8 +136,8 @@ def test_detokenize_false_leaves_text_empty(llm):
 
 
 def test_unsupported_params_are_refused_by_name(llm):
-    with pytest.raises(ValueError, match="prompt 1: logprobs is not supported"):
-        llm.generate([PROMPT, PROMPT], [greedy(), greedy(logprobs=2)], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 1: prompt_logprobs is not supported"):
+        llm.generate([PROMPT, PROMPT], [greedy(), greedy(prompt_logprobs=2)], use_tqdm=False)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([PROMPT], greedy(stop_token_ids=[10**6]), use_tqdm=False)
     assert llm.is_finished()

@@ -1,0 +1,42 @@
+"""The new sampler paths on CUDA, eager and with CUDA graphs: logits processing (penalties,
+bias, allowed tokens) against HF ``generate`` with the same processors, and logprobs against
+HF's log-softmax."""
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from tests.end_to_end.test_logprobs import hf_logprobs
+from tests.end_to_end.test_penalties import FEATURES, check_features_matter, greedy, hf_generate, hf_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+OPTIONS = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=16, kvcache_block_size=16)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_logits_processing_matches_hf(qwen3_dir, prompts, eager):
+    batch = prompts[1:] + prompts
+    params = [p for f in FEATURES for p in (f, greedy())][: len(batch)]
+    check_features_matter(qwen3_dir, batch, params)
+    with LLM(qwen3_dir, **OPTIONS, enforce_eager=eager) as llm:
+        ours = [o["token_ids"] for o in llm.generate(batch, params, use_tqdm=False)]
+    assert ours == [hf_generate(qwen3_dir, q, p) for q, p in zip(batch, params)]
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_logprobs_match_hf(qwen3_dir, prompts, eager):
+    params = [SamplingParams(0.8, 12, True, logprobs=4, seed=i) for i in range(len(prompts))]
+    params[0] = SamplingParams(0.8, 12, True, seed=9)  # a row without logprobs in the batch
+    with LLM(qwen3_dir, **OPTIONS, enforce_eager=eager) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[0].outputs[0].logprobs is None
+    for prompt, out in zip(prompts[1:], outs[1:]):
+        completion = out.outputs[0]
+        want = hf_logprobs(hf_model(qwen3_dir), prompt, completion.token_ids)
+        for t, (entry, token) in enumerate(zip(completion.logprobs, completion.token_ids)):
+            top = want[t].topk(4)
+            assert set(entry) == set(top.indices.tolist()) | {token}
+            assert entry[token] == pytest.approx(want[t, token].item(), abs=1e-3)

@@ -1,0 +1,51 @@
+"""logprobs: the sampled token's and the top-k log-probabilities of every generated token,
+against Hugging Face's log-softmax of the same positions (fp32, CPU)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nanovllm import LLM, SamplingParams
+
+OPTIONS = dict(device="cpu", dtype="float32", max_model_len=96, kvcache_block_size=16, max_num_seqs=8)
+PROMPTS = [[7, 300, 42, 19, 250, 3, 88, 121, 64, 5, 400, 17, 230, 9, 31, 77, 150], [11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def hf_model(qwen3_dir):
+    return AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+
+
+def hf_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """``[len(completion), vocab]``: log-softmax of the logits that predicted each token."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0]
+    return torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("temperature, k", [(0.0, 3), (0.9, 5), (0.9, 0)])
+def test_logprobs_match_hf(qwen3_dir, hf_model, async_scheduling, temperature, k):
+    params = [
+        SamplingParams(temperature, 10, True, logprobs=k, seed=3),
+        SamplingParams(temperature, 7, True, logprobs=k + 1, n=2, seed=4),
+    ]
+    with LLM(qwen3_dir, **OPTIONS, async_scheduling=async_scheduling) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out, p in zip(PROMPTS, outs, params):
+        for completion in out.outputs:
+            want = hf_logprobs(hf_model, prompt, completion.token_ids)
+            assert len(completion.logprobs) == len(completion.token_ids)
+            chosen = want[torch.arange(len(completion.token_ids)), completion.token_ids]
+            for t, (entry, token) in enumerate(zip(completion.logprobs, completion.token_ids)):
+                top = want[t].topk(p.logprobs)
+                assert set(entry) == set(top.indices.tolist()) | {token}
+                got = torch.tensor([entry[i] for i in top.indices.tolist()] + [entry[token]])
+                torch.testing.assert_close(got, torch.cat([top.values, chosen[t : t + 1]]), atol=1e-4, rtol=0)
+            assert completion.cumulative_logprob == pytest.approx(chosen.sum().item(), abs=1e-3)
+
+
+def test_no_logprobs_by_default(qwen3_dir):
+    with LLM(qwen3_dir, **OPTIONS) as llm:
+        out = llm.generate([PROMPTS[0]], SamplingParams(0.0, 4, True), use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is None and out.cumulative_logprob is None
