@@ -1,6 +1,6 @@
 """What ``generate`` returns: vLLM's ``RequestOutput`` and ``CompletionOutput``."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -39,7 +39,6 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)
 
     def __getitem__(self, key: str):
         if key in ("text", "token_ids"):

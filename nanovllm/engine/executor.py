@@ -17,6 +17,11 @@ class SampledTokens(Protocol):
         the sampled token's, and the ids and log-probabilities of the batch's top-k tokens."""
         ...
 
+    def prompt_logprobs(self) -> list[tuple[float, list[int], list[float]]] | None:
+        """After :meth:`tolist`, when the step's batch has ``prompt_logprobs`` rows: the same
+        for each of their target prompt tokens, in order."""
+        ...
+
 
 class Executor(Protocol):
     """Runs steps on the model; built by the caller and handed to the engine."""

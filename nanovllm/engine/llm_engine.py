@@ -32,9 +32,6 @@ class StepResult:
     num_decode_tokens: int = 0
 
 
-UNSUPPORTED_PARAMS = ("prompt_logprobs",)
-
-
 class LLMEngine:
     """Turns prompts into sequences and runs the step loop on the executor it is handed.
 
@@ -98,9 +95,6 @@ class LLMEngine:
                 f"sampling params of prompt {i} name token ids outside the vocabulary "
                 f"[0, {self.vocab_size}): {bad[:5]}"
             )
-        for name in UNSUPPORTED_PARAMS:
-            if getattr(params, name) is not None:
-                raise ValueError(f"sampling params of prompt {i}: {name} is not supported yet")
 
     def _new_request(self, i: int, prompt: PromptInput, params: SamplingParams) -> Request:
         """Prompt ``i`` as a checked request with its ``n`` sequences, not yet queued."""
@@ -166,13 +160,25 @@ class LLMEngine:
                 num_decode += 1
         tokens = done.tokens.tolist()
         finished = self.scheduler.postprocess(step, tokens)
-        row_logprobs = done.tokens.logprobs()
-        if row_logprobs is not None:
-            for seq, token_id, row in zip(step.seqs, tokens, row_logprobs):
+        self._record_logprobs(step, tokens, done.tokens)
+        return StepResult(finished, step.seqs, num_prefill, num_decode)
+
+    def _record_logprobs(self, step: ScheduledStep, tokens: list[int], handle: SampledTokens) -> None:
+        """Give the requests that asked for them the step's log-probabilities."""
+        rows = handle.logprobs()
+        if rows is not None:
+            for seq, token_id, row in zip(step.seqs, tokens, rows):
                 entry = self.tracked.get(seq.seq_id)
                 if entry is not None and entry[0].logprobs is not None:
                     entry[0].add_logprobs(entry[1], token_id, row)
-        return StepResult(finished, step.seqs, num_prefill, num_decode)
+        if step.batch.prompt_logprobs:
+            values, i = handle.prompt_logprobs(), 0
+            for r in step.batch.prompt_logprobs:
+                entry = self.tracked.get(step.seqs[r.batch_row].seq_id)
+                first = step.batch.start_positions[r.batch_row] + 1  # the prompt index of the first target
+                if entry is not None:
+                    entry[0].add_prompt_logprobs(first, r.target_ids, values[i : i + len(r.target_ids)])
+                i += len(r.target_ids)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self.in_flight

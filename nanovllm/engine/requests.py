@@ -75,6 +75,8 @@ def sample_params(params: SamplingParams, index: int, max_model_len: int) -> Sam
         changes["max_tokens"] = max_model_len
     if params.seed is not None and index:
         changes["seed"] = (params.seed ^ (index * _SEED_STRIDE)) & _U64
+    if params.prompt_logprobs is not None and index:  # the first sample computes them
+        changes["prompt_logprobs"] = None
     return replace(params, **changes) if changes else params
 
 
@@ -82,7 +84,7 @@ class Request:
     """One prompt's ``n`` sequences, and the text of each as it is generated."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "seqs", "tokenizer", "detokenizers",
-                 "texts", "num_emitted", "logprobs", "cumulative_logprobs")  # fmt: skip
+                 "texts", "num_emitted", "logprobs", "cumulative_logprobs", "prompt_logprobs")  # fmt: skip
 
     def __init__(self, request_id: str, prompt: PromptInput, token_ids: list[int], params: SamplingParams,
                  seqs: list[Sequence], tokenizer) -> None:  # fmt: skip
@@ -96,6 +98,21 @@ class Request:
         wants_logprobs = params.logprobs is not None
         self.logprobs: list[list[dict[int, float]]] | None = [[] for _ in seqs] if wants_logprobs else None
         self.cumulative_logprobs = [0.0] * len(seqs)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        if params.prompt_logprobs is not None:  # none for the first prompt token, as in vLLM
+            self.prompt_logprobs = [None] * len(token_ids)
+
+    def add_prompt_logprobs(
+        self, first: int, target_ids: list[int], rows: list[tuple[float, list[int], list[float]]]
+    ) -> None:
+        """Record the log-probabilities of prompt tokens ``first, first + 1, ...`` (once each:
+        a preempted prompt is computed again)."""
+        k = self.params.prompt_logprobs
+        for index, token_id, (logprob, ids, values) in zip(range(first, first + len(rows)), target_ids, rows):
+            if self.prompt_logprobs[index] is None:
+                entry = dict(zip(ids[:k], values[:k]))
+                entry[token_id] = logprob
+                self.prompt_logprobs[index] = entry
 
     def add_logprobs(self, index: int, token_id: int, row: tuple[float, list[int], list[float]]) -> None:
         """Record the log-probabilities of sequence ``index``'s newest token (once)."""
@@ -162,5 +179,6 @@ class Request:
             self.prompt_token_ids,
             completions,
             self.finished,
+            self.prompt_logprobs,
             num_cached_tokens=self.seqs[0].num_cached_tokens,
         )

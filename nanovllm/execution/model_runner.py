@@ -10,7 +10,7 @@ from nanovllm.execution.compile import compile_elementwise_ops
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.kv_cache import KVCache
 from nanovllm.execution.loader import build_model
-from nanovllm.execution.logprobs import TokenLogprobs, token_logprobs
+from nanovllm.execution.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs
 from nanovllm.execution.sampler import Sampler
 from nanovllm.execution.step_inputs import StepInputBuilder
 from nanovllm.layers.parallel import TPGroup
@@ -29,12 +29,17 @@ class SampledTokens:
     """A step's sampled token ids (and log-probabilities, when asked for), copied to the host
     without blocking the launch."""
 
-    def __init__(self, tokens: torch.Tensor, logprobs: TokenLogprobs | None = None):
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: TokenLogprobs | None = None,
+    ):
         self.host = _to_host(tokens)
-        self.host_logprobs = None
-        if logprobs is not None:
-            parts = (logprobs.sampled, logprobs.top_ids, logprobs.top_logprobs)
-            self.host_logprobs = TokenLogprobs(*map(_to_host, parts))
+        self.host_logprobs, self.host_prompt_logprobs = (
+            None if lp is None else TokenLogprobs(*map(_to_host, (lp.sampled, lp.top_ids, lp.top_logprobs)))
+            for lp in (logprobs, prompt_logprobs)
+        )
         self.event = None
         if tokens.is_cuda:
             self.event = torch.cuda.Event()
@@ -47,6 +52,9 @@ class SampledTokens:
 
     def logprobs(self) -> list[tuple[float, list[int], list[float]]] | None:
         return None if self.host_logprobs is None else self.host_logprobs.tolist()
+
+    def prompt_logprobs(self) -> list[tuple[float, list[int], list[float]]] | None:
+        return None if self.host_prompt_logprobs is None else self.host_prompt_logprobs.tolist()
 
 
 def rank_device(config: Config, rank: int) -> torch.device:
@@ -160,8 +168,12 @@ class ModelRunner:
             hidden = self.graphs.replay(input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(input_ids, inputs.positions, inputs.meta)
-            if not batch.is_decode:
-                hidden = hidden[inputs.last_token_index]
+        prompt_lp = None
+        if batch.prompt_logprobs:  # before keeping only each row's last token
+            rows = batch.prompt_logprobs
+            prompt_lp = prompt_logprobs(hidden, batch.num_tokens, rows, self.model.compute_logits)
+        if not batch.is_decode:
+            hidden = hidden[inputs.last_token_index]
         logits = self.model.compute_logits(hidden)
         logprobs = None
         if self.tp.rank == 0:
@@ -173,7 +185,7 @@ class ModelRunner:
             if self.tp.rank != 0:
                 self.last_sampled = torch.empty(len(batch), dtype=torch.int64, device=self.device)
             dist.broadcast(self.last_sampled, src=0)
-        return SampledTokens(self.last_sampled, logprobs) if self.tp.rank == 0 else None
+        return SampledTokens(self.last_sampled, logprobs, prompt_lp) if self.tp.rank == 0 else None
 
     def run(self, batch: StepBatch) -> list[int] | None:
         """One step, waiting for its tokens (rank 0) — what TP workers and tools call."""

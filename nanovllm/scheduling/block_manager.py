@@ -66,8 +66,9 @@ class BlockManager:
         return hashes
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of ``seq``, token ids verified."""
-        if not self.enable_prefix_caching or not self.hash_to_block:
+        """Block ids of the longest cached prefix of ``seq``, token ids verified. A sequence
+        that asks for its prompt's log-probabilities computes the whole prompt."""
+        if not self.enable_prefix_caching or not self.hash_to_block or seq.params.prompt_logprobs is not None:
             return []
         # a full-prompt hit would leave nothing to compute, so the last token is never a hit
         num_full = (len(seq) - 1) // self.block_size

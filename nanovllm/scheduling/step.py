@@ -29,6 +29,16 @@ class BlockTableUpdate:
 
 
 @dataclass(slots=True)
+class PromptLogprobsRow:
+    """Batch row ``batch_row`` asks for the log-probabilities of ``target_ids``, the prompt
+    tokens that its first ``len(target_ids)`` input tokens predict, and for its top ``k``."""
+
+    batch_row: int
+    target_ids: list[int]
+    k: int
+
+
+@dataclass(slots=True)
 class StepBatch:
     """One step's work as plain data, free of scheduler objects, so it can go to TP workers.
 
@@ -52,6 +62,7 @@ class StepBatch:
     new_rows: list[NewRow]
     block_table_updates: list[BlockTableUpdate]
     previous_sample_rows: list[int] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobsRow] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -106,6 +117,11 @@ class ScheduledStep:
                 updates.append(BlockTableUpdate(s.row, sent, s.block_table[sent:]))
                 s.num_blocks_sent = len(s.block_table)
         num_single = len(from_previous) + len(decodes) + len(single)
+        prompt_logprobs = []
+        for j, (s, start, n) in enumerate(chunks, start=len(from_previous) + len(decodes)):
+            if s.params.prompt_logprobs is not None and start + 1 < s.num_prompt_tokens:
+                targets = s.token_ids[start + 1 : min(start + n + 1, s.num_prompt_tokens)]
+                prompt_logprobs.append(PromptLogprobsRow(j, targets, s.params.prompt_logprobs))
         batch = StepBatch(
             rows=[s.row for s in seqs],
             num_tokens=[1] * num_single + [n for _, _, n in chunks[len(single) :]],
@@ -117,5 +133,6 @@ class ScheduledStep:
             new_rows=new_rows,
             block_table_updates=updates,
             previous_sample_rows=[row for _, row in from_previous],
+            prompt_logprobs=prompt_logprobs,
         )
         return cls(seqs, batch)

@@ -135,11 +135,13 @@ def test_detokenize_false_leaves_text_empty(llm):
     assert out["text"] == "" and len(out["token_ids"]) == 8
 
 
-def test_unsupported_params_are_refused_by_name(llm):
-    with pytest.raises(ValueError, match="prompt 1: prompt_logprobs is not supported"):
-        llm.generate([PROMPT, PROMPT], [greedy(), greedy(prompt_logprobs=2)], use_tqdm=False)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        llm.generate([PROMPT], greedy(stop_token_ids=[10**6]), use_tqdm=False)
+@pytest.mark.parametrize(
+    "params",
+    [greedy(stop_token_ids=[10**6]), greedy(allowed_token_ids=[3, 512]), greedy(logit_bias={600: 1.0})],
+)
+def test_token_ids_in_params_are_checked_against_the_vocabulary(llm, params):
+    with pytest.raises(ValueError, match="sampling params of prompt 1 name token ids outside the vocabulary"):
+        llm.generate([PROMPT, PROMPT], [greedy(), params], use_tqdm=False)
     assert llm.is_finished()
 
 
@@ -219,3 +221,15 @@ def test_n_samples_reuse_the_computed_prompt(qwen3_dir, async_scheduling):
         assert source.num_cached_tokens == 0
         assert [s.num_cached_tokens for s in siblings] == [32, 32]
         assert all(s.num_completion_tokens == 6 for s in request.seqs)
+
+
+def test_sampled_rows_keep_to_allowed_tokens(llm):
+    allowed = list(range(100, 400, 3))
+    params = [
+        SamplingParams(1.0, 24, True, allowed_token_ids=allowed, seed=1),
+        SamplingParams(0.8, 24, True, allowed_token_ids=allowed, top_k=5, top_p=0.9),
+        SamplingParams(1.0, 24, True, seed=2),
+    ]
+    outs = llm.generate([PROMPT, PROMPT[:7], PROMPT[:3]], params, use_tqdm=False)
+    assert all(set(o["token_ids"]) <= set(allowed) for o in outs[:2])
+    assert not set(outs[2]["token_ids"]) <= set(allowed)

@@ -40,3 +40,32 @@ def test_logprobs_match_hf(qwen3_dir, prompts, eager):
             top = want[t].topk(4)
             assert set(entry) == set(top.indices.tolist()) | {token}
             assert entry[token] == pytest.approx(want[t, token].item(), abs=1e-3)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_prompt_logprobs_match_hf(qwen3_dir, prompts, eager):
+    prompt = prompts[-1]
+    with LLM(qwen3_dir, **OPTIONS, enforce_eager=eager, max_num_batched_tokens=32) as llm:
+        out = llm.generate([prompt], SamplingParams(0.0, 4, True, prompt_logprobs=3), use_tqdm=False)[0]
+    with torch.no_grad():
+        want = torch.log_softmax(hf_model(qwen3_dir)(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None
+    for t in range(1, len(prompt)):
+        entry = out.prompt_logprobs[t]
+        assert set(entry) == set(want[t - 1].topk(3).indices.tolist()) | {prompt[t]}
+        assert entry[prompt[t]] == pytest.approx(want[t - 1, prompt[t]].item(), abs=1e-3)
+
+
+def test_sampled_rows_keep_to_allowed_tokens(qwen3_dir, prompts):
+    """Rows drawn at a temperature (the sampling kernel, fed -inf logits) never leave their
+    allowed tokens, with top-k / top-p on or off."""
+    allowed = list(range(100, 400, 3))
+    params = [
+        SamplingParams(1.0, 24, True, allowed_token_ids=allowed, seed=1),
+        SamplingParams(0.8, 24, True, allowed_token_ids=allowed, top_k=5, top_p=0.9),
+        SamplingParams(1.0, 24, True, seed=2),
+    ]
+    with LLM(qwen3_dir, **OPTIONS) as llm:
+        outs = llm.generate(prompts[:3], params, use_tqdm=False)
+    assert all(set(o["token_ids"]) <= set(allowed) for o in outs[:2])
+    assert not set(outs[2]["token_ids"]) <= set(allowed)

@@ -49,3 +49,38 @@ def test_no_logprobs_by_default(qwen3_dir):
     with LLM(qwen3_dir, **OPTIONS) as llm:
         out = llm.generate([PROMPTS[0]], SamplingParams(0.0, 4, True), use_tqdm=False)[0].outputs[0]
     assert out.logprobs is None and out.cumulative_logprob is None
+
+
+def check_prompt_logprobs(hf_model, prompt: list[int], got: list, k: int) -> None:
+    """vLLM's layout: None for the first token, then ``{token: logprob}`` with the top ``k``."""
+    with torch.no_grad():
+        want = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert len(got) == len(prompt) and got[0] is None
+    for t in range(1, len(prompt)):
+        top = want[t - 1].topk(k)
+        assert set(got[t]) == set(top.indices.tolist()) | {prompt[t]}
+        values = torch.tensor([got[t][i] for i in top.indices.tolist()] + [got[t][prompt[t]]])
+        expected = torch.cat([top.values, want[t - 1, prompt[t] : prompt[t] + 1]])
+        torch.testing.assert_close(values, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("budget", [None, 7], ids=["whole", "chunked"])
+def test_prompt_logprobs_match_hf(qwen3_dir, hf_model, async_scheduling, budget):
+    long_prompt = (PROMPTS[0] * 3)[:40]
+    options = {**OPTIONS, **({"max_num_batched_tokens": budget} if budget else {})}
+    with LLM(qwen3_dir, **options, async_scheduling=async_scheduling) as llm:
+        first = llm.generate([long_prompt], SamplingParams(0.0, 3, True), use_tqdm=False)[0]
+        assert first.prompt_logprobs is None
+        # the same prompt again: it is in the cache, yet every prompt token gets its entry
+        params = [
+            SamplingParams(0.0, 3, True, prompt_logprobs=2),
+            SamplingParams(0.7, 3, True, prompt_logprobs=0, n=2),
+            SamplingParams(0.0, 3, True),
+        ]
+        outs = llm.generate([long_prompt, PROMPTS[1], PROMPTS[0]], params, use_tqdm=False)
+    assert outs[0].num_cached_tokens == 0
+    check_prompt_logprobs(hf_model, long_prompt, outs[0].prompt_logprobs, 2)
+    check_prompt_logprobs(hf_model, PROMPTS[1], outs[1].prompt_logprobs, 0)
+    assert outs[2].prompt_logprobs is None
+    assert outs[0]["token_ids"] == first["token_ids"]

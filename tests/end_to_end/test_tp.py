@@ -95,3 +95,28 @@ def test_tp2_steps_planned_ahead_read_broadcast_samples(qwen3_dir, prompts, hf_r
         assert not async_scheduling or any(not b.is_decode for b in ahead), "no mixed step planned ahead"
     finally:
         llm.exit()
+
+
+def test_tp2_sampler_features_and_logprobs(qwen3_dir, prompts):
+    """Penalties, bias, logprobs and prompt logprobs (whose logits are gathered by every rank)
+    give the same results with two ranks as with one."""
+    params = [
+        SamplingParams(0.0, 12, True, repetition_penalty=1.3, logprobs=3),
+        SamplingParams(0.0, 12, True, logit_bias={7: 3.0}, prompt_logprobs=2),
+        SamplingParams(0.0, 12, True, frequency_penalty=1.0, presence_penalty=0.5, prompt_logprobs=1),
+    ]
+    batch = prompts[4:7]
+    results = []
+    for tp in (1, 2):
+        with LLM(qwen3_dir, tensor_parallel_size=tp, **OPTIONS, max_num_batched_tokens=40) as llm:
+            results.append(llm.generate(batch, params, use_tqdm=False))
+
+    def same(a: dict | None, b: dict | None) -> bool:
+        return (a is None and b is None) or (a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a))
+
+    for one, two in zip(*results):
+        assert one["token_ids"] == two["token_ids"]
+        assert (one.prompt_logprobs is None) == (two.prompt_logprobs is None)
+        assert all(same(a, b) for a, b in zip(one.prompt_logprobs or [], two.prompt_logprobs or []))
+        assert all(same(a, b) for a, b in zip(one.outputs[0].logprobs or [], two.outputs[0].logprobs or []))
+    assert results[0][1].prompt_logprobs[5] is not None and results[0][0].outputs[0].logprobs
