@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from nanovllm.models.registry import Architecture, attention_dims, resolve_architecture
+from nanovllm.models.registry import Architecture, attention_dims, context_len, resolve_architecture
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -79,7 +79,7 @@ class Config:
         resolve("hf_config", AutoConfig.from_pretrained(self.model))
         resolve("architecture", resolve_architecture(self.hf_config))
         self._check_numbers()
-        resolve("max_model_len", min(self.max_model_len, self.hf_config.max_position_embeddings))
+        resolve("max_model_len", min(self.max_model_len, context_len(self.hf_config)))
         resolve("device", self._resolve_device())
         resolve("dtype", self._resolve_dtype())
         resolve("attention_backend", self._resolve_attention_backend())

@@ -16,7 +16,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.parallel import TPGroup
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
-from nanovllm.models.registry import Architecture, attention_dims, rope_settings
+from nanovllm.models.registry import Architecture, attention_dims, context_len, rope_settings
 
 
 class DecoderAttention(nn.Module):
@@ -30,8 +30,8 @@ class DecoderAttention(nn.Module):
             config.hidden_size, self.head_dim, num_heads, num_kv_heads, qkv_bias, tp
         )
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, o_bias, tp)
-        theta, _ = rope_settings(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta)
+        theta, scaling = rope_settings(config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, context_len(config), theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend)
         self.has_qk_norm = arch.qk_norm
         if self.has_qk_norm:  # applied, with the rotary embedding, by the attention layer

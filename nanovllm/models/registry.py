@@ -45,8 +45,11 @@ ARCHITECTURES = {
         Architecture("Qwen3ForCausalLM", "qwen3", _DECODER, qk_norm=True),
         Architecture("Qwen2ForCausalLM", "qwen2", _DECODER, qkv_bias=True, o_bias=False),
         Architecture("LlamaForCausalLM", "llama", _DECODER),
+        Architecture("MistralForCausalLM", "mistral", _DECODER),
     )
 }
+ROPE_SCALING_TYPES = ("default", "linear", "llama3", "yarn")
+"""Rope scaling types implemented (as Hugging Face defines them); others are refused by name."""
 
 
 def attention_dims(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -61,6 +64,19 @@ def rope_settings(config: PretrainedConfig) -> tuple[float, dict]:
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or params
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0))), scaling
+
+
+def rope_type(config: PretrainedConfig) -> str:
+    _, scaling = rope_settings(config)
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def context_len(config: PretrainedConfig) -> int:
+    """Positions the checkpoint is made for: ``max_position_embeddings``, times the factor
+    for linear rope scaling, whose configs keep the length before scaling."""
+    _, scaling = rope_settings(config)
+    factor = scaling.get("factor", 1.0) if rope_type(config) == "linear" else 1.0
+    return int(config.max_position_embeddings * factor)
 
 
 def resolve_architecture(config: PretrainedConfig) -> Architecture:
@@ -79,9 +95,11 @@ def _refuse_unimplemented(config: PretrainedConfig, arch: Architecture) -> None:
         raise ValueError(f"{arch.name} checkpoint sets {feature}, which nanovllm does not implement")
 
     _, scaling = rope_settings(config)
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type != "default":
-        refuse(f"rope scaling {rope_type!r} (only default rotary embeddings are implemented)")
+    if rope_type(config) not in ROPE_SCALING_TYPES:
+        refuse(f"rope scaling {rope_type(config)!r} (implemented: {', '.join(ROPE_SCALING_TYPES)})")
+    partial = scaling.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        refuse(f"partial_rotary_factor={partial} (rotary embeddings on part of each head)")
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         refuse(f"hidden_act={act!r} (only 'silu' is implemented)")
@@ -89,5 +107,7 @@ def _refuse_unimplemented(config: PretrainedConfig, arch: Architecture) -> None:
         refuse("mlp_bias=True")
     if getattr(config, "use_sliding_window", False):
         refuse("use_sliding_window=True (sliding-window attention)")
+    if arch.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+        refuse(f"sliding_window={config.sliding_window} (sliding-window attention)")
     if getattr(config, "quantization_config", None):
         refuse(f"quantization_config {config.quantization_config!r}")
