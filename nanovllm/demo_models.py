@@ -36,6 +36,26 @@ SHAPES = {
         rope_theta=1000000.0,
         tie_word_embeddings=False,
     ),
+    "qwen3-30b-a3b": dict(
+        architecture="Qwen3MoeForCausalLM",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
 }
 _CORPUS = (
     "Hello, Nano-vLLM. The quick brown fox jumps over the lazy dog. Paged attention stores keys "
@@ -53,13 +73,17 @@ CHATML_TEMPLATE = (
 def write_config(
     path: str,
     shape: str = "qwen3-0.6b",
-    architecture: str = "Qwen3ForCausalLM",
+    architecture: str | None = None,
     dtype: str = "bfloat16",
     **overrides,
 ) -> dict:
-    """Write a ``config.json`` of a named shape (for ``load_format="dummy"``); returns it."""
+    """Write a ``config.json`` of a named shape (for ``load_format="dummy"``); returns it. The
+    architecture defaults to the shape's own (Qwen3 dense unless it names one)."""
+    shape_cfg = dict(SHAPES[shape])
+    architecture = architecture or shape_cfg.pop("architecture", "Qwen3ForCausalLM")
+    shape_cfg.pop("architecture", None)
     cfg = dict(
-        SHAPES[shape],
+        shape_cfg,
         architectures=[architecture],
         model_type=ARCHITECTURES[architecture].model_type,
         dtype=dtype,

@@ -12,8 +12,14 @@ from nanovllm.attention import AttentionBackend, AttentionMetadata, QKTransform
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from nanovllm.layers.parallel import TPGroup
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.models.registry import Architecture, attention_dims, context_len, rope_settings
@@ -61,11 +67,39 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+class SparseMoeBlock(nn.Module):
+    """Hugging Face's ``Qwen3MoeSparseMoeBlock``: a router's softmax (fp32) picks each token's
+    top-k experts, their weights renormalised when ``norm_topk_prob``."""
+
+    def __init__(self, config: PretrainedConfig, tp: TPGroup):
+        super().__init__()
+        self.top_k, self.renormalise = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, False, tp)
+        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        weights, ids = logits.softmax(dim=-1, dtype=torch.float).topk(self.top_k, dim=-1)
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, weights.to(logits.dtype), ids)
+
+
+def is_moe_layer(config: PretrainedConfig, index: int) -> bool:
+    """As Hugging Face decides: experts unless listed in ``mlp_only_layers``, every
+    ``decoder_sparse_step``-th layer."""
+    if getattr(config, "num_experts", 0) <= 0 or index in getattr(config, "mlp_only_layers", ()):
+        return False
+    return (index + 1) % getattr(config, "decoder_sparse_step", 1) == 0
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, arch: Architecture, tp: TPGroup, backend: AttentionBackend):
+    def __init__(
+        self, config: PretrainedConfig, arch: Architecture, tp: TPGroup, backend: AttentionBackend, index: int
+    ):
         super().__init__()
         self.self_attn = DecoderAttention(config, arch, tp, backend)
-        self.mlp = DecoderMLP(config, tp)
+        self.mlp = SparseMoeBlock(config, tp) if is_moe_layer(config, index) else DecoderMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -86,7 +120,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, arch, tp, backend) for _ in range(config.num_hidden_layers)]
+            [DecoderLayer(config, arch, tp, backend, i) for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -112,6 +146,13 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig, arch: Architecture, tp: TPGroup, backend: AttentionBackend):
         super().__init__()
+        if getattr(config, "num_experts", 0) > 0:  # each expert's projections go into stacked weights
+            experts = {}
+            for e in range(config.num_experts):
+                experts[f"experts.{e}.gate_proj.weight"] = ("experts.w13", (e, 0))
+                experts[f"experts.{e}.up_proj.weight"] = ("experts.w13", (e, 1))
+                experts[f"experts.{e}.down_proj.weight"] = ("experts.w2", (e, None))
+            self.packed_modules_mapping = experts | type(self).packed_modules_mapping
         self.model = DecoderModel(config, arch, tp, backend)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:

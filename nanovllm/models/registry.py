@@ -46,6 +46,7 @@ ARCHITECTURES = {
         Architecture("Qwen2ForCausalLM", "qwen2", _DECODER, qkv_bias=True, o_bias=False),
         Architecture("LlamaForCausalLM", "llama", _DECODER),
         Architecture("MistralForCausalLM", "mistral", _DECODER),
+        Architecture("Qwen3MoeForCausalLM", "qwen3_moe", _DECODER, qk_norm=True),
     )
 }
 ROPE_SCALING_TYPES = ("default", "linear", "llama3", "yarn")

@@ -1,0 +1,195 @@
+"""Mixture-of-experts SwiGLU experts (Qwen3-MoE / Mixtral) as two grouped GEMMs, beside a torch
+reference.
+
+Rounding, shared by both (and Hugging Face's ``Qwen3MoeExperts``): the gate and up projections,
+silu, its product with up and the down projection are each rounded to the activation dtype, as
+HF's ``F.linear`` / ``act_fn`` calls are. The routing weight multiplies the rounded down output in
+fp32 and the product is rounded once (HF multiplies by the weight already cast to the activation
+dtype: pass ``topk_weights`` rounded to it for the same result). The ``top_k`` weighted outputs of a
+token are summed in fp32 and rounded once, in a fixed order (deterministic); HF ``index_add_``s them
+in the activation dtype expert by expert: the same result for ``top_k <= 2`` (tested bit for bit
+in bf16), one rounding more per extra expert otherwise.
+"""
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.moe_align import moe_align
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Per-expert torch loop. ``x`` ``[tokens, hidden]``; ``w13`` ``[experts, 2 * inter, hidden]``
+    (gate rows then up rows); ``w2`` ``[experts, hidden, inter]``; ``topk_weights`` /
+    ``topk_ids`` ``[tokens, top_k]``. Returns ``[tokens, hidden]`` in ``x.dtype``:
+    ``sum_k weight_k * down(silu(gate(x)) * up(x))`` over the token's experts (syncs with the host)."""
+    tokens, top_k = topk_ids.shape
+    out = torch.zeros(tokens, top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    for e in topk_ids.unique().tolist():
+        kpos, tok = torch.where(topk_ids.t() == e)  # HF's row order: by k, then by token
+        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[e])
+        out[tok, kpos] = (h.float() * topk_weights[tok, kpos, None].float()).to(x.dtype)
+    return out.sum(1, dtype=torch.float32).to(x.dtype)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr,
+    num_pairs, top_k, hidden, inter,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """out[pair, n] = silu(x[token] @ gate[e, n]) * (x[token] @ up[e, n]) for one block of pairs."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # the grid is sized for the worst case
+        return
+    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    e = tl.load(expert_of_block_ptr + pid_m).to(tl.int64)
+    valid = rows < num_pairs
+    tokens = (rows // top_k).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_xm + k[None, :]
+    # [BLOCK_K, BLOCK_N] tiles of w^T; the up rows sit ``inter`` rows below the gate rows
+    g_ptrs = w_ptr + e * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk
+    u_ptrs = g_ptrs + inter * stride_wn
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        a = tl.load(x_ptrs, mask=valid[:, None] & (k[None, :] < hidden - k0), other=0.0)
+        w_mask = (n[None, :] < inter) & (k[:, None] < hidden - k0)
+        gate = tl.dot(a, tl.load(g_ptrs, mask=w_mask, other=0.0), gate, input_precision=DOT_PRECISION)
+        up = tl.dot(a, tl.load(u_ptrs, mask=w_mask, other=0.0), up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    # round each step to the activation dtype, as the reference's separate torch ops do
+    dt = out_ptr.dtype.element_ty
+    gate = gate.to(dt).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    h = (act * up.to(dt).to(tl.float32)).to(dt)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + n[None, :]
+    tl.store(out_ptrs, h, mask=valid[:, None] & (n[None, :] < inter))
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr,
+    num_pairs, hidden, inter,
+    stride_hm, stride_we, stride_wn, stride_wk, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """out[pair, n] = weight[pair] * (h[pair] @ down[e, n]) for one block of pairs."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    e = tl.load(expert_of_block_ptr + pid_m).to(tl.int64)
+    valid = rows < num_pairs
+    rows64 = rows.to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + k[None, :]
+    w_ptrs = w_ptr + e * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        a = tl.load(h_ptrs, mask=valid[:, None] & (k[None, :] < inter - k0), other=0.0)
+        w = tl.load(w_ptrs, mask=(n[None, :] < hidden) & (k[:, None] < inter - k0), other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    dt = out_ptr.dtype.element_ty
+    weight = tl.load(topk_weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+    out = (acc.to(dt).to(tl.float32) * weight[:, None]).to(dt)
+    out_ptrs = out_ptr + rows64[:, None] * stride_om + n[None, :]
+    tl.store(out_ptrs, out, mask=valid[:, None] & (n[None, :] < hidden))
+
+
+def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
+    """Tiles: BLOCK_M follows the pairs an expert gets on average (padding is wasted work);
+    fp32 halves BLOCK_K to keep the staged tiles in shared memory."""
+    per_expert = num_pairs / num_experts
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    big = block_m == 64
+    return dict(
+        BLOCK_M=block_m,
+        BLOCK_N=128 if big else 64,
+        BLOCK_K=32 if dtype == torch.float32 else 64,
+        num_warps=8 if big else 4,
+        num_stages=2 if dtype == torch.float32 else 3,
+    )
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`fused_moe_ref` (same arguments and semantics), without host syncs;
+    ``topk_ids`` must lie in ``[0, experts)`` (unchecked: checking would sync with the host).
+    ``config`` overrides the tiles: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` (powers of two >= 16),
+    ``num_warps``, ``num_stages``."""
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"x, w13, w2 must be 2-d, 3-d, 3-d: {x.dim()}, {w13.dim()}, {w2.dim()}")
+    tokens, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    if w13.shape != (num_experts, 2 * inter, hidden) or w2.shape[1] != hidden:
+        raise ValueError(
+            f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit [experts, 2 * inter, {hidden}] / "
+            f"[experts, {hidden}, inter]"
+        )
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
+            f"be [{tokens}, top_k]"
+        )
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not x.dtype == w13.dtype == w2.dtype:
+        raise ValueError(f"x, w13, w2 must share one float dtype: {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if not topk_weights.dtype.is_floating_point:
+        raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    if x.stride(1) != 1:
+        raise ValueError("x needs a unit stride in the last dimension")
+    top_k = topk_ids.shape[1]
+    num_pairs = tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    cfg = _config(num_pairs, num_experts, x.dtype) | (config or {})
+    tiles = {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    launch = dict(
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+        **tiles,
+    )
+    sorted_ids, expert_of_block, num_padded = moe_align(topk_ids, num_experts, tiles["BLOCK_M"])
+    weights = topk_weights.reshape(-1).contiguous()
+    num_blocks = expert_of_block.numel()
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]))](
+        x, w13, h, sorted_ids, expert_of_block, num_padded,
+        num_pairs, top_k, hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
+        **launch,
+    )  # fmt: skip
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _down_kernel[(num_blocks, triton.cdiv(hidden, tiles["BLOCK_N"]))](
+        h, w2, out, weights, sorted_ids, expert_of_block, num_padded,
+        num_pairs, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
+        **launch,
+    )  # fmt: skip
+    # fixed-order fp32 sum over k (deterministic, unlike atomics), rounded once like the reference
+    if top_k == 1:
+        return out
+    return out.view(tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,36 @@
+"""Mixture-of-experts SwiGLU experts, stacked per layer; tensor parallelism splits every
+expert's intermediate size across ranks (no expert is split unevenly, no token is moved)."""
+
+import torch
+from torch import nn
+
+from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
+from nanovllm.layers.parallel import TPGroup, divide
+
+
+class FusedMoE(nn.Module):
+    """``w13`` ``[experts, 2 * intermediate / tp, hidden]`` (gate rows, then up rows) and ``w2``
+    ``[experts, hidden, intermediate / tp]``, loaded from each expert's Hugging Face
+    ``gate_proj`` / ``up_proj`` / ``down_proj``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        inter = divide(intermediate_size, tp.size)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
+        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None]):
+        """``shard_id``: (expert, 0 for gate / 1 for up / None for down)."""
+        expert, half = shard_id
+        if half is None:
+            param.data[expert].copy_(loaded.chunk(self.tp.size, 1)[self.tp.rank])
+            return
+        inter = param.shape[1] // 2
+        rows = loaded.chunk(self.tp.size, 0)[self.tp.rank]
+        param.data[expert, half * inter : (half + 1) * inter].copy_(rows)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        moe = fused_moe if x.is_cuda else fused_moe_ref
+        return self.tp.all_reduce(moe(x, self.w13, self.w2, topk_weights, topk_ids))
