@@ -76,6 +76,7 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path, no_executor, o
         ("Qwen3ForCausalLM", dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "'dynamic'"),
         ("LlamaForCausalLM", dict(rope_scaling={"rope_type": "su", "factor": 4.0}), "rope scaling 'su'"),
         ("MistralForCausalLM", dict(sliding_window=4096), "sliding_window=4096"),
+        ("MixtralForCausalLM", dict(sliding_window=4096, num_local_experts=4), "sliding_window=4096"),
         ("Qwen3ForCausalLM", dict(hidden_act="gelu"), "hidden_act='gelu'"),
         ("LlamaForCausalLM", dict(mlp_bias=True), "mlp_bias"),
         ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=64), "sliding-window"),

@@ -22,7 +22,7 @@ from nanovllm.layers.linear import (
 )
 from nanovllm.layers.parallel import TPGroup
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
-from nanovllm.models.registry import Architecture, attention_dims, context_len, rope_settings
+from nanovllm.models.registry import Architecture, attention_dims, context_len, moe_settings, rope_settings
 
 
 class DecoderAttention(nn.Module):
@@ -68,14 +68,16 @@ class DecoderMLP(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Hugging Face's ``Qwen3MoeSparseMoeBlock``: a router's softmax (fp32) picks each token's
-    top-k experts, their weights renormalised when ``norm_topk_prob``."""
+    """Hugging Face's ``Qwen3MoeSparseMoeBlock`` and ``MixtralSparseMoeBlock``: a router's
+    softmax (fp32) picks each token's top-k experts, their weights renormalised when
+    ``norm_topk_prob`` (always for Mixtral)."""
 
     def __init__(self, config: PretrainedConfig, tp: TPGroup):
         super().__init__()
-        self.top_k, self.renormalise = config.num_experts_per_tok, config.norm_topk_prob
-        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, False, tp)
-        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp)
+        num_experts, size, self.renormalise = moe_settings(config)
+        self.top_k = config.num_experts_per_tok
+        self.gate = ReplicatedLinear(config.hidden_size, num_experts, False, tp)
+        self.experts = FusedMoE(num_experts, config.hidden_size, size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
@@ -88,7 +90,7 @@ class SparseMoeBlock(nn.Module):
 def is_moe_layer(config: PretrainedConfig, index: int) -> bool:
     """As Hugging Face decides: experts unless listed in ``mlp_only_layers``, every
     ``decoder_sparse_step``-th layer."""
-    if getattr(config, "num_experts", 0) <= 0 or index in getattr(config, "mlp_only_layers", ()):
+    if moe_settings(config)[0] <= 0 or index in getattr(config, "mlp_only_layers", ()):
         return False
     return (index + 1) % getattr(config, "decoder_sparse_step", 1) == 0
 
@@ -99,7 +101,10 @@ class DecoderLayer(nn.Module):
     ):
         super().__init__()
         self.self_attn = DecoderAttention(config, arch, tp, backend)
-        self.mlp = SparseMoeBlock(config, tp) if is_moe_layer(config, index) else DecoderMLP(config, tp)
+        # Hugging Face's attribute name, so that parameter names are the checkpoint's
+        self.ffn_name = arch.moe_block if is_moe_layer(config, index) else "mlp"
+        ffn = SparseMoeBlock(config, tp) if is_moe_layer(config, index) else DecoderMLP(config, tp)
+        setattr(self, self.ffn_name, ffn)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -112,7 +117,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return getattr(self, self.ffn_name)(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -146,12 +151,15 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig, arch: Architecture, tp: TPGroup, backend: AttentionBackend):
         super().__init__()
-        if getattr(config, "num_experts", 0) > 0:  # each expert's projections go into stacked weights
+        num_experts = moe_settings(config)[0]
+        if num_experts:  # each expert's projections go into the layer's stacked weights
+            block, (gate, up, down) = arch.moe_block, arch.expert_names
             experts = {}
-            for e in range(config.num_experts):
-                experts[f"experts.{e}.gate_proj.weight"] = ("experts.w13", (e, 0))
-                experts[f"experts.{e}.up_proj.weight"] = ("experts.w13", (e, 1))
-                experts[f"experts.{e}.down_proj.weight"] = ("experts.w2", (e, None))
+            for e in range(num_experts):
+                prefix = f"{block}.experts.{e}."
+                experts[f"{prefix}{gate}.weight"] = (f"{block}.experts.w13", (e, 0))
+                experts[f"{prefix}{up}.weight"] = (f"{block}.experts.w13", (e, 1))
+                experts[f"{prefix}{down}.weight"] = (f"{block}.experts.w2", (e, None))
             self.packed_modules_mapping = experts | type(self).packed_modules_mapping
         self.model = DecoderModel(config, arch, tp, backend)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)

@@ -24,6 +24,10 @@ class Architecture:
     """Bias on the q/k/v projections; None: the config's ``attention_bias``."""
     o_bias: bool | None = None
     """Bias on the output projection; None: the config's ``attention_bias``."""
+    moe_block: str = "mlp"
+    """The decoder layer's attribute holding a mixture-of-experts block (its weights' prefix)."""
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """Each expert's gate, up and down projections, as the checkpoint names them."""
 
     def load_model_class(self) -> type:
         module, name = self.model_class.split(":")
@@ -47,6 +51,13 @@ ARCHITECTURES = {
         Architecture("LlamaForCausalLM", "llama", _DECODER),
         Architecture("MistralForCausalLM", "mistral", _DECODER),
         Architecture("Qwen3MoeForCausalLM", "qwen3_moe", _DECODER, qk_norm=True),
+        Architecture(
+            "MixtralForCausalLM",
+            "mixtral",
+            _DECODER,
+            moe_block="block_sparse_moe",
+            expert_names=("w1", "w3", "w2"),
+        ),
     )
 }
 ROPE_SCALING_TYPES = ("default", "linear", "llama3", "yarn")
@@ -65,6 +76,14 @@ def rope_settings(config: PretrainedConfig) -> tuple[float, dict]:
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or params
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0))), scaling
+
+
+def moe_settings(config: PretrainedConfig) -> tuple[int, int, bool]:
+    """(experts, each expert's intermediate size, whether top-k weights are renormalised) as
+    Qwen3-MoE and Mixtral configs spell them; 0 experts for a dense model."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return experts, size, getattr(config, "norm_topk_prob", True)
 
 
 def rope_type(config: PretrainedConfig) -> str:
@@ -108,7 +127,7 @@ def _refuse_unimplemented(config: PretrainedConfig, arch: Architecture) -> None:
         refuse("mlp_bias=True")
     if getattr(config, "use_sliding_window", False):
         refuse("use_sliding_window=True (sliding-window attention)")
-    if arch.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+    if arch.model_type in ("mistral", "mixtral") and getattr(config, "sliding_window", None) is not None:
         refuse(f"sliding_window={config.sliding_window} (sliding-window attention)")
     if getattr(config, "quantization_config", None):
         refuse(f"quantization_config {config.quantization_config!r}")

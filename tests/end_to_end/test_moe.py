@@ -1,5 +1,5 @@
-"""Qwen3-MoE end to end on CPU against HF: routing with and without renormalised top-k,
-dense layers mixed in (``mlp_only_layers``, ``decoder_sparse_step``), chunked prefill,
+"""Qwen3-MoE and Mixtral end to end on CPU against HF: routing with and without renormalised
+top-k, dense layers mixed in (``mlp_only_layers``, ``decoder_sparse_step``), chunked prefill,
 prefix-cache hits and tensor parallelism (experts split by intermediate size)."""
 
 import pytest
@@ -12,16 +12,19 @@ GREEDY = SamplingParams(0.0, 16, True)
 BASE = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=8, kvcache_block_size=16)
 MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.0)
 CHECKPOINTS = {
-    "renormalised": dict(MOE, norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1),
-    "raw-top4-every-2nd": dict(MOE, norm_topk_prob=False, num_experts_per_tok=4, decoder_sparse_step=2,
-                               num_hidden_layers=3),
+    "renormalised": ("Qwen3MoeForCausalLM", dict(MOE, norm_topk_prob=True, mlp_only_layers=[1])),
+    "raw-top4-every-2nd": ("Qwen3MoeForCausalLM", dict(MOE, norm_topk_prob=False, num_experts_per_tok=4,
+                                                       decoder_sparse_step=2, num_hidden_layers=3)),
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=40,
+                                           sliding_window=None, router_aux_loss_coef=0.0)),
 }  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
 def moe_dir(request, tmp_path_factory) -> str:
+    architecture, overrides = CHECKPOINTS[request.param]
     path = str(tmp_path_factory.mktemp(request.param))
-    return make_random_checkpoint(path, "Qwen3MoeForCausalLM", seed=5, **CHECKPOINTS[request.param])
+    return make_random_checkpoint(path, architecture, seed=5, **overrides)
 
 
 def generate(model_dir: str, prompts, **options) -> list[list[int]]:
