@@ -1,10 +1,10 @@
 """nanovllm: a compact offline LLM inference engine.
 
-``LLM`` and ``SamplingParams`` load on first use, so that a layer's package (say the
-torch-free ``nanovllm.scheduling``) can be imported alone.
+``LLM``, ``SamplingParams`` and the output types load on first use, so that a layer's package
+(say the torch-free ``nanovllm.scheduling``) can be imported alone.
 """
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):
@@ -16,4 +16,8 @@ def __getattr__(name: str):
         from nanovllm.sampling_params import SamplingParams
 
         return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from nanovllm import outputs
+
+        return getattr(outputs, name)
     raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm import LLM, SamplingParams
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm import LLM, CompletionOutput, RequestOutput, SamplingParams
 
 OPTIONS = dict(device="cpu", dtype="float32", max_model_len=96, kvcache_block_size=16, max_num_seqs=8)
 PROMPT = [7, 300, 42, 19, 250, 3, 88, 121, 64, 5, 400, 17, 230, 9, 31, 77, 150]
