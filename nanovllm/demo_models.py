@@ -80,7 +80,7 @@ def write_config(
     """Write a ``config.json`` of a named shape (for ``load_format="dummy"``); returns it. The
     architecture defaults to the shape's own (Qwen3 dense unless it names one)."""
     shape_cfg = dict(SHAPES[shape])
-    architecture = architecture or shape_cfg.pop("architecture", "Qwen3ForCausalLM")
+    architecture = architecture or shape_cfg.get("architecture", "Qwen3ForCausalLM")
     shape_cfg.pop("architecture", None)
     cfg = dict(
         shape_cfg,

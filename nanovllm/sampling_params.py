@@ -129,6 +129,11 @@ class SamplingParams:
             self.logit_bias = bias
 
     @property
+    def penalizes_repeats(self) -> bool:
+        """Whether a penalty depends on the tokens seen so far (so the executor needs them)."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
     def token_ids_in_params(self) -> list[int]:
         """Every token id these parameters name, for the engine to check against the vocabulary."""
         return self.stop_token_ids + (self.allowed_token_ids or []) + list(self.logit_bias or ())

@@ -70,7 +70,7 @@ class LLMEngine:
             self.executor.close()
             self.executor = None
 
-    def _to_token_ids(self, i: int, prompt: PromptInput) -> list[int]:
+    def _to_token_ids(self, prompt: PromptInput) -> list[int]:
         if prompt.token_ids is not None:
             return prompt.token_ids
         if self.tokenizer is None:
@@ -98,7 +98,7 @@ class LLMEngine:
 
     def _new_request(self, i: int, prompt: PromptInput, params: SamplingParams) -> Request:
         """Prompt ``i`` as a checked request with its ``n`` sequences, not yet queued."""
-        token_ids = self._to_token_ids(i, prompt)
+        token_ids = self._to_token_ids(prompt)
         self._validate(i, token_ids, params)
         samples = [sample_params(params, k, self.config.max_model_len) for k in range(params.n)]
         seqs = [Sequence(next(self.seq_ids), token_ids, p) for p in samples]
@@ -254,7 +254,7 @@ class LLMEngine:
         changed = {}
         for seq in seqs:
             entry = self.tracked.get(seq.seq_id)
-            if entry is None or not seq.num_completion_tokens:
+            if entry is None:
                 continue
             request, index = entry
             if request.num_emitted[index] == seq.num_completion_tokens:

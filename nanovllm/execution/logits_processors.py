@@ -151,7 +151,7 @@ class LogitsRows:
         none is only marked so: every other array is read through ``uses``."""
         for r in new_rows:
             p, row = r.params, r.row
-            penalized = p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
+            penalized = p.penalizes_repeats
             self.uses[row] = penalized or p.min_tokens > 0 or bool(p.allowed_token_ids or p.logit_bias)
             if not self.uses[row]:
                 continue

@@ -10,6 +10,11 @@ from torch import nn
 SCALING_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def scaling_type(scaling: dict) -> str:
+    """The rope scaling type of Hugging Face's ``rope_parameters`` (older configs: ``type``)."""
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
 def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
 
@@ -63,7 +68,7 @@ def inv_freq_and_attention_factor(
 ) -> tuple[torch.Tensor, float]:
     """The rotary inverse frequencies and the factor on cos/sin for a rope scaling setting
     (a type of :data:`SCALING_TYPES`, as Hugging Face's ``rope_parameters`` spell it)."""
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = scaling_type(scaling)
     if rope_type == "yarn":
         return _yarn(head_dim, base, scaling, max_position)
     inv_freq = _default_inv_freq(head_dim, base)

@@ -102,9 +102,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(config, arch, tp, backend)
         # Hugging Face's attribute name, so that parameter names are the checkpoint's
-        self.ffn_name = arch.moe_block if is_moe_layer(config, index) else "mlp"
-        ffn = SparseMoeBlock(config, tp) if is_moe_layer(config, index) else DecoderMLP(config, tp)
-        setattr(self, self.ffn_name, ffn)
+        moe = is_moe_layer(config, index)
+        self.ffn_name = arch.moe_block if moe else "mlp"
+        setattr(self, self.ffn_name, SparseMoeBlock(config, tp) if moe else DecoderMLP(config, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+from nanovllm.layers.rotary_embedding import SCALING_TYPES, scaling_type
+
 
 @dataclass(frozen=True, slots=True)
 class Architecture:
@@ -60,8 +62,6 @@ ARCHITECTURES = {
         ),
     )
 }
-ROPE_SCALING_TYPES = ("default", "linear", "llama3", "yarn")
-"""Rope scaling types implemented (as Hugging Face defines them); others are refused by name."""
 
 
 def attention_dims(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -87,8 +87,7 @@ def moe_settings(config: PretrainedConfig) -> tuple[int, int, bool]:
 
 
 def rope_type(config: PretrainedConfig) -> str:
-    _, scaling = rope_settings(config)
-    return scaling.get("rope_type", scaling.get("type", "default"))
+    return scaling_type(rope_settings(config)[1])
 
 
 def context_len(config: PretrainedConfig) -> int:
@@ -115,8 +114,8 @@ def _refuse_unimplemented(config: PretrainedConfig, arch: Architecture) -> None:
         raise ValueError(f"{arch.name} checkpoint sets {feature}, which nanovllm does not implement")
 
     _, scaling = rope_settings(config)
-    if rope_type(config) not in ROPE_SCALING_TYPES:
-        refuse(f"rope scaling {rope_type(config)!r} (implemented: {', '.join(ROPE_SCALING_TYPES)})")
+    if rope_type(config) not in SCALING_TYPES:
+        refuse(f"rope scaling {rope_type(config)!r} (implemented: {', '.join(SCALING_TYPES)})")
     partial = scaling.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if partial != 1.0:
         refuse(f"partial_rotary_factor={partial} (rotary embeddings on part of each head)")

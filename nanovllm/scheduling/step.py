@@ -110,9 +110,8 @@ class ScheduledStep:
         for s in seqs:  # send what the executor does not hold yet, once
             sent = s.num_blocks_sent
             if sent == 0:
-                p = s.params
-                repeats = p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
-                new_rows.append(NewRow(s.row, s.num_prompt_tokens, p, list(s.token_ids) if repeats else None))
+                history = list(s.token_ids) if s.params.penalizes_repeats else None
+                new_rows.append(NewRow(s.row, s.num_prompt_tokens, s.params, history))
             if len(s.block_table) > sent:
                 updates.append(BlockTableUpdate(s.row, sent, s.block_table[sent:]))
                 s.num_blocks_sent = len(s.block_table)
