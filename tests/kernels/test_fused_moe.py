@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
-from nanovllm.kernels.moe_align import moe_align
+from nanovllm.kernels.moe_align import moe_align, moe_align_ref
 from tests.interpreter import DEVICE
 
 pytestmark = pytest.mark.gpu
@@ -113,11 +113,12 @@ def test_reference_rounds_like_hf_in_bf16():
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("align", [moe_align, moe_align_ref])
 @pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 1, 4, 16), (17, 2, 8, 16), (64, 4, 8, 4)])
-def test_moe_align(tokens, top_k, experts, block_m):
+def test_moe_align(align, tokens, top_k, experts, block_m):
     gen = torch.Generator().manual_seed(tokens)
     ids = torch.randint(0, experts - 1, (tokens, top_k), generator=gen)  # the last expert is idle
-    sorted_ids, expert_of_block, num_padded = moe_align(ids.to(DEVICE), experts, block_m)
+    sorted_ids, expert_of_block, num_padded = align(ids.to(DEVICE), experts, block_m)
     sorted_ids, expert_of_block, used = sorted_ids.cpu().long(), expert_of_block.cpu().long(), int(num_padded)
     n = tokens * top_k
     assert sorted_ids.dtype == torch.long and len(sorted_ids) >= n + experts * (block_m - 1)
@@ -138,6 +139,18 @@ def test_moe_align(tokens, top_k, experts, block_m):
         assert len(pairs) == counts[e] and torch.all(ids.flatten()[pairs] == e)
         assert torch.all(pairs[1:] > pairs[:-1])
         assert torch.all(rows[: len(pairs)] == pairs)  # padding after the pairs
+
+
+@pytest.mark.parametrize(
+    "tokens, top_k, experts, block_m",
+    [(300, 8, 128, 16), (1000, 8, 128, 64), (40, 3, 512, 32), (9, 2, 6, 16)],
+)
+def test_moe_align_kernel_equals_reference(tokens, top_k, experts, block_m):
+    """Many chunks of pairs, experts not a power of two, more experts than pairs."""
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen).to(DEVICE)
+    for got, want in zip(moe_align(ids, experts, block_m), moe_align_ref(ids, experts, block_m), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_bad_inputs_are_refused():
