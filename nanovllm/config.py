@@ -7,7 +7,13 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from nanovllm.models.registry import Architecture, attention_dims, context_len, resolve_architecture
+from nanovllm.models.registry import (
+    Architecture,
+    attention_dims,
+    context_len,
+    max_shared_prompt_len,
+    resolve_architecture,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -98,6 +104,11 @@ class Config:
     def kv_cache_torch_dtype(self) -> torch.dtype:
         name = self.kv_cache_dtype
         return KV_CACHE_DTYPES[name] if name in KV_CACHE_DTYPES else DTYPES[name]
+
+    @property
+    def max_shared_prompt_len(self) -> int | None:
+        """Prompts longer than this neither take nor give prefix-cache hits (None: no limit)."""
+        return max_shared_prompt_len(self.hf_config)
 
     @property
     def max_blocks_per_seq(self) -> int:

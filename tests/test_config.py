@@ -43,7 +43,15 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_of_a_bf16_one(tmp_path):
 
 def test_max_model_len_is_capped_by_the_model(tmp_path):
     write_config(str(tmp_path), **{**SMALL, "max_position_embeddings": 100})
-    assert Config(str(tmp_path), device="cpu", max_model_len=4096).max_model_len == 100
+    config = Config(str(tmp_path), device="cpu", max_model_len=4096)
+    assert (config.max_model_len, config.max_shared_prompt_len) == (100, None)
+
+
+def test_dynamic_rope_stretches_the_context_and_limits_prefix_sharing(tmp_path):
+    dynamic = {"rope_type": "dynamic", "factor": 4.0}
+    write_config(str(tmp_path), **{**SMALL, "max_position_embeddings": 100}, rope_scaling=dynamic)
+    config = Config(str(tmp_path), device="cpu", max_model_len=4096)
+    assert (config.max_model_len, config.max_shared_prompt_len) == (400, 100)
 
 
 @pytest.mark.parametrize(
@@ -73,7 +81,7 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path, no_executor, o
 @pytest.mark.parametrize(
     "architecture, overrides, match",
     [
-        ("Qwen3ForCausalLM", dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "'dynamic'"),
+        ("Qwen3ForCausalLM", dict(rope_scaling={"rope_type": "dynamic", "factor": 0.5}), "factor=0.5"),
         ("LlamaForCausalLM", dict(rope_scaling={"rope_type": "su", "factor": 4.0}), "rope scaling 'su'"),
         ("MistralForCausalLM", dict(sliding_window=4096), "sliding_window=4096"),
         ("MixtralForCausalLM", dict(sliding_window=4096, num_local_experts=4), "sliding_window=4096"),

@@ -1,5 +1,9 @@
 """Rope scaling: our frequency tables against Hugging Face's rope initialisation, and greedy
-generation past the original context against HF for each implemented type (CPU)."""
+generation past the original context against HF for each implemented type (CPU).
+
+Dynamic scaling rotates each token by its sequence's length as HF's ``generate`` sees it:
+a prompt by its whole length, a generated token by its position + 1. HF keeps the last
+length's frequencies between calls, so its references come one prompt per model load."""
 
 import pytest
 import torch
@@ -7,7 +11,7 @@ from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.rotary_embedding import inv_freq_and_attention_factor
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, inv_freq_and_attention_factor
 from nanovllm.models.registry import rope_settings
 from tests.checkpoints import make_random_checkpoint
 
@@ -62,3 +66,77 @@ def test_greedy_past_the_original_context_matches_hf(
     with LLM(path, device="cpu", dtype="float32", max_model_len=256, kvcache_block_size=16) as llm:
         got = llm.generate([prompt], SamplingParams(0.0, 40, True), use_tqdm=False)[0]["token_ids"]
     assert got == want
+
+
+DYNAMIC_CONTEXT = 64  # max_position_embeddings; factor 4 serves 256 positions
+DYNAMIC = dict(rope_type="dynamic", factor=4.0)
+GREEDY = SamplingParams(0.0, 40, True)
+TEXT = [(i * 37 + 11) % 500 for i in range(120)]
+SHORT, LONG, LONGER = TEXT[:40], TEXT[:100], TEXT[:120]  # one prefix; SHORT generates past 64
+
+
+def test_dynamic_frequencies_match_hf_at_each_length():
+    config = hf_config("LlamaForCausalLM", DYNAMIC, DYNAMIC_CONTEXT)
+    init_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu")
+    theta, scaling = rope_settings(config)
+    assert torch.equal(inv_freq_and_attention_factor(HEAD_DIM, theta, scaling, DYNAMIC_CONTEXT)[0], init_freq)
+    rope = RotaryEmbedding(HEAD_DIM, 4 * DYNAMIC_CONTEXT, theta, scaling, DYNAMIC_CONTEXT)
+    lengths = torch.tensor([1, 40, 64, 64, 65, 100, 100, 256])
+    positions = torch.tensor([0, 39, 10, 63, 64, 0, 99, 255])
+    rows = rope.cos_sin_rows(positions, lengths)
+    for row, position, length in zip(rows, positions, lengths):
+        # a tensor length, as HF's forward passes it: its fp32 arithmetic
+        freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=length)
+        angles = position * freq
+        torch.testing.assert_close(row, torch.cat([angles.cos(), angles.sin()]), rtol=0, atol=1e-5)
+    longer = lengths > DYNAMIC_CONTEXT
+    assert torch.equal(rows[~longer], rope.cos_sin_cache[positions[~longer]])
+    for row, position in zip(rows[longer], positions[longer]):
+        if position:  # (position 0 turns by no angle at any frequency)
+            assert not torch.allclose(row, rope.cos_sin_cache[position])
+
+
+@pytest.fixture(scope="module")
+def dynamic_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("dynamic"))
+    rope = {"rope_theta": 10000.0, **DYNAMIC}
+    return make_random_checkpoint(
+        path, "LlamaForCausalLM", max_position_embeddings=DYNAMIC_CONTEXT, rope_parameters=rope
+    )
+
+
+def dynamic_llm(path: str, **options) -> LLM:
+    return LLM(path, device="cpu", dtype="float32", max_model_len=256, kvcache_block_size=16, **options)
+
+
+def hf_each(hf_reference, path: str, prompts: list[list[int]]) -> list[list[int]]:
+    return [hf_reference(path, [p], GREEDY.max_tokens)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("budget", [16384, 16, 2], ids=["whole", "chunks-of-16", "one-token-chunks"])
+def test_dynamic_greedy_matches_hf(dynamic_dir, hf_reference, budget):
+    """Prompts shorter and longer than the original context; chunked, a prompt still turns
+    on its whole length (with a budget of 2, as one-token chunks beside a decode)."""
+    prompts = [SHORT, LONG, LONGER]
+    with dynamic_llm(dynamic_dir, max_num_batched_tokens=budget) as llm:
+        got = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == hf_each(hf_reference, dynamic_dir, prompts)
+
+
+def test_dynamic_prefix_cache_shares_only_prompts_within_the_original_context(dynamic_dir, hf_reference):
+    """A prompt past the original context is rotated by its own length: LONGER must not take
+    LONG's blocks (nor LONG its own); SHORT hits its own from the first call."""
+    with dynamic_llm(dynamic_dir) as llm:
+        first = llm.generate([SHORT, LONG], GREEDY, use_tqdm=False)
+        second = llm.generate([SHORT, LONG, LONGER], GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in second] == [32, 0, 0]
+    got = [o["token_ids"] for o in first + second]
+    assert got == hf_each(hf_reference, dynamic_dir, [SHORT, LONG, SHORT, LONG, LONGER])
+
+
+def test_dynamic_recomputation_after_preemption_matches_hf(dynamic_dir, hf_reference):
+    prompts = [LONG, LONGER, SHORT]
+    with dynamic_llm(dynamic_dir, num_kvcache_blocks=16) as llm:  # 256 tokens: not all three
+        got = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert llm.scheduler.num_preemptions > 0
+    assert got == hf_each(hf_reference, dynamic_dir, prompts)

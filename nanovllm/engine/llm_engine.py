@@ -46,7 +46,12 @@ class LLMEngine:
         self.vocab_size = config.hf_config.vocab_size
         self.num_kvcache_blocks = executor.num_kvcache_blocks
         self.scheduler = Scheduler(
-            BlockManager(self.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching),
+            BlockManager(
+                self.num_kvcache_blocks,
+                config.kvcache_block_size,
+                config.enable_prefix_caching,
+                config.max_shared_prompt_len,
+            ),
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.max_model_len,

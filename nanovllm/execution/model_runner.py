@@ -109,7 +109,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             compile_elementwise_ops(self.model)
         self.sampler = Sampler()
-        self.inputs = StepInputBuilder(config, self.device)
+        self.inputs = StepInputBuilder(config, self.device, self.model.uses_rope_lengths)
         self.last_sampled: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self.kv_cache: KVCache | None = None
@@ -164,10 +164,10 @@ class ModelRunner:
         if inputs.previous_sample_rows is not None:
             previous = self.last_sampled[inputs.previous_sample_rows]
             input_ids = torch.cat((previous, input_ids)) if input_ids.numel() else previous
-        if batch.is_decode and self.graphs is not None:
+        if batch.is_decode and self.graphs is not None and inputs.rope_lengths is None:
             hidden = self.graphs.replay(input_ids, inputs.positions, inputs.meta)
         else:
-            hidden = self.model(input_ids, inputs.positions, inputs.meta)
+            hidden = self.model(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths)
         prompt_lp = None
         if batch.prompt_logprobs:  # before keeping only each row's last token
             rows = batch.prompt_logprobs

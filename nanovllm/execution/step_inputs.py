@@ -32,14 +32,19 @@ class StepInputs:
     """With prompt chunks: where each row's last token is, whose hidden state gives its logits."""
     max_logprobs: int | None = None
     """The most top log-probabilities a row asks for (None: no row wants log-probabilities)."""
+    rope_lengths: torch.Tensor | None = None
+    """For a model whose rotary embedding depends on the sequence length: each token's
+    ``max(position + 1, prompt length)``; None where that is ``position + 1`` throughout."""
 
 
 class StepInputBuilder:
     """Builds a step's tensors on the host and moves them to the device in two transfers,
-    keeping each row's block table and sampling parameters between steps."""
+    keeping each row's block table and sampling parameters between steps. With
+    ``rope_lengths``, steps carry each token's length for the rotary embedding."""
 
-    def __init__(self, config: Config, device: torch.device):
+    def __init__(self, config: Config, device: torch.device, rope_lengths: bool = False):
         self.device = device
+        self.rope_lengths = rope_lengths
         self.block_size = config.kvcache_block_size
         self.block_tables = BlockTables(config.max_num_seqs, config.max_blocks_per_seq, device)
         self.sampling_rows = SamplingRows(config.max_num_seqs)
@@ -94,6 +99,12 @@ class StepInputBuilder:
             "rows": rows,
             "context_lens": context_lens.astype(np.int32),
         }
+        if self.rope_lengths:
+            # a prompt token is rotated as in its whole prompt, also in a chunk or a recomputation
+            lengths = np.maximum(positions + 1, self.sampling_rows.num_prompt_tokens[rows[row_of_token]])
+            # decode steps go without (CUDA graphs), unless a one-token prompt chunk needs it
+            if not batch.is_decode or (lengths > positions + 1).any():
+                arrays["rope_lengths"] = lengths
         if batch.previous_sample_rows:
             arrays["previous_sample_rows"] = np.asarray(batch.previous_sample_rows, dtype=np.int64)
         if stale_rows.size:
@@ -142,6 +153,7 @@ class StepInputBuilder:
             sampling,
             dev.get("last_token_index"),
             self.sampling_rows.max_logprobs(rows) if with_sampling else None,
+            dev.get("rope_lengths"),
         )
 
     @staticmethod

@@ -1,18 +1,36 @@
 """Rotary position embedding tables (rotate-half / GPT-NeoX layout), with the rope scaling
-types Hugging Face defines that fix the table once; the attention backend applies them, fused
-with the KV store."""
+types Hugging Face defines: those that fix the table once, and "dynamic" (NTK-aware), whose
+frequencies follow the sequence length. The attention backend applies them, fused with the
+KV store."""
 
 import math
 
 import torch
 from torch import nn
 
-SCALING_TYPES = ("default", "linear", "llama3", "yarn")
+SCALING_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
 def scaling_type(scaling: dict) -> str:
     """The rope scaling type of Hugging Face's ``rope_parameters`` (older configs: ``type``)."""
     return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def dynamic_factor(scaling: dict) -> float:
+    """The ``factor`` of a "dynamic" setting: a number >= 1 (Hugging Face warns below 1)."""
+    factor = scaling.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
+        raise ValueError(f"rope scaling 'dynamic' needs a number factor >= 1, got factor={factor!r}")
+    return float(factor)
+
+
+def _dynamic_base(
+    base: float, factor: float, context: int, head_dim: int, seq_len: int | torch.Tensor
+) -> float | torch.Tensor:
+    """Dynamic NTK: the base for a sequence of ``seq_len`` >= ``context`` tokens, in Hugging
+    Face's order of operations: an int (Python floats, as at its init) or a tensor (fp32, as
+    in its forward)."""
+    return base * ((factor * seq_len / context) - (factor - 1)) ** (head_dim / (head_dim - 2))
 
 
 def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
@@ -67,7 +85,8 @@ def inv_freq_and_attention_factor(
     head_dim: int, base: float, scaling: dict, max_position: int
 ) -> tuple[torch.Tensor, float]:
     """The rotary inverse frequencies and the factor on cos/sin for a rope scaling setting
-    (a type of :data:`SCALING_TYPES`, as Hugging Face's ``rope_parameters`` spell it)."""
+    (a type of :data:`SCALING_TYPES`, as Hugging Face's ``rope_parameters`` spell it), where
+    ``max_position`` is the checkpoint's ``max_position_embeddings``."""
     rope_type = scaling_type(scaling)
     if rope_type == "yarn":
         return _yarn(head_dim, base, scaling, max_position)
@@ -76,17 +95,51 @@ def inv_freq_and_attention_factor(
         return inv_freq / scaling["factor"], 1.0
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if rope_type == "dynamic":  # for sequences up to ``max_position`` long
+        base = _dynamic_base(base, dynamic_factor(scaling), max_position, head_dim, max_position)
+        return _default_inv_freq(head_dim, base), 1.0
     if rope_type != "default":
         raise ValueError(f"rope scaling type {rope_type!r} is not implemented; implemented: {SCALING_TYPES}")
     return inv_freq, 1.0
 
 
 class RotaryEmbedding(nn.Module):
-    """``cos_sin_cache[position]``: the cos then the sin of every frequency, fp32."""
+    """``cos_sin_cache[position]``: the cos then the sin of every frequency, fp32, for
+    ``max_position`` positions. ``max_position_embeddings`` (default ``max_position``) is the
+    length that yarn and dynamic scaling scale from.
 
-    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
+    Dynamic scaling (``is_dynamic``) rotates a token by the length of its sequence: the table
+    serves sequences up to ``max_position_embeddings`` long, :meth:`cos_sin_rows` any length.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict | None = None,
+        max_position_embeddings: int | None = None,
+    ):
         super().__init__()
-        inv_freq, factor = inv_freq_and_attention_factor(head_dim, base, scaling or {}, max_position)
+        scaling = scaling or {}
+        self.context = max_position_embeddings or max_position
+        inv_freq, factor = inv_freq_and_attention_factor(head_dim, base, scaling, self.context)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * factor
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.is_dynamic = scaling_type(scaling) == "dynamic"
+        if self.is_dynamic:
+            self.base, self.factor, self.head_dim = base, dynamic_factor(scaling), head_dim
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+            self.register_buffer("exponents", exponents, persistent=False)
+
+    def cos_sin_rows(self, positions: torch.Tensor, rope_lengths: torch.Tensor) -> torch.Tensor:
+        """``[tokens, head_dim]`` in the table's layout: token ``i`` at ``positions[i]`` in a
+        sequence of ``rope_lengths[i]`` tokens (dynamic scaling). Tensor ops only: no host
+        sync, so CUDA graphs can capture it."""
+        lengths = rope_lengths.clamp(min=self.context)[:, None]
+        base = _dynamic_base(self.base, self.factor, self.context, self.head_dim, lengths.float())
+        freqs = positions[:, None].float() * (1.0 / base**self.exponents)
+        rows = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        # up to the original length, Hugging Face keeps the frequencies of its init: the table's
+        return torch.where(lengths > self.context, rows, self.cos_sin_cache[positions])

@@ -36,22 +36,23 @@ class DecoderAttention(nn.Module):
             config.hidden_size, self.head_dim, num_heads, num_kv_heads, qkv_bias, tp
         )
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, o_bias, tp)
-        theta, scaling = rope_settings(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, context_len(config), theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend)
         self.has_qk_norm = arch.qk_norm
         if self.has_qk_norm:  # applied, with the rotary embedding, by the attention layer
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, cos_sin: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """``cos_sin[positions]``: each token's rotary cos then sin."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.has_qk_norm else ()
-        o = self.attn(q, k, v, QKTransform(positions, self.rotary_emb.cos_sin_cache, *norm), meta)
+        o = self.attn(q, k, v, QKTransform(positions, cos_sin, *norm), meta)
         return self.o_proj(o.flatten(1, -1))
 
 
@@ -109,13 +110,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+        self,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(positions, cos_sin, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return getattr(self, self.ffn_name)(x), residual
 
@@ -124,17 +130,30 @@ class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, arch: Architecture, tp: TPGroup, backend: AttentionBackend):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        theta, scaling = rope_settings(config)
+        self.rotary_emb = RotaryEmbedding(  # one table for every layer
+            attention_dims(config)[2], context_len(config), theta, scaling, config.max_position_embeddings
+        )
         self.layers = nn.ModuleList(
             [DecoderLayer(config, arch, tp, backend, i) for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        rope_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        rope, cos_sin = self.rotary_emb, self.rotary_emb.cos_sin_cache
+        if rope.is_dynamic:  # each token's own row, computed once for every layer
+            # without lengths every token is a decode, past its prompt: its length is position + 1
+            cos_sin = rope.cos_sin_rows(positions, positions + 1 if rope_lengths is None else rope_lengths)
+            positions = torch.arange(positions.shape[0], device=positions.device)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = layer(positions, cos_sin, x, residual, meta)
         return self.norm(x, residual)[0]
 
 
@@ -166,10 +185,21 @@ class DecoderForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @property
+    def uses_rope_lengths(self) -> bool:
+        """Whether :meth:`forward` wants ``rope_lengths`` for prompt tokens (dynamic rope scaling)."""
+        return self.model.rotary_emb.is_dynamic
+
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        rope_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+        """``rope_lengths``: each token's sequence length for dynamic rope scaling, the
+        longer of its position + 1 and its prompt (default: position + 1)."""
+        return self.model(input_ids, positions, meta, rope_lengths)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden_states)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from nanovllm.layers.rotary_embedding import SCALING_TYPES, scaling_type
+from nanovllm.layers.rotary_embedding import SCALING_TYPES, dynamic_factor, scaling_type
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +92,25 @@ def rope_type(config: PretrainedConfig) -> str:
 
 def context_len(config: PretrainedConfig) -> int:
     """Positions the checkpoint is made for: ``max_position_embeddings``, times the factor
-    for linear rope scaling, whose configs keep the length before scaling."""
+    for linear rope scaling, whose configs keep the length before scaling, and for dynamic
+    scaling, which stretches that length (as vLLM counts it)."""
     _, scaling = rope_settings(config)
-    factor = scaling.get("factor", 1.0) if rope_type(config) == "linear" else 1.0
+    kind = rope_type(config)
+    factor = 1.0
+    if kind == "linear":
+        factor = scaling.get("factor", 1.0)
+    elif kind == "dynamic":
+        factor = dynamic_factor(scaling)
     return int(config.max_position_embeddings * factor)
+
+
+def max_shared_prompt_len(config: PretrainedConfig) -> int | None:
+    """The longest prompt whose KV may be shared through the prefix cache (None: any).
+
+    Dynamic rope scaling rotates every token of a prompt longer than
+    ``max_position_embeddings`` by the prompt's length, so its keys hold for no other prompt.
+    """
+    return config.max_position_embeddings if rope_type(config) == "dynamic" else None
 
 
 def resolve_architecture(config: PretrainedConfig) -> Architecture:

@@ -33,9 +33,18 @@ class BlockManager:
     sequence with the same prefix can still hit them; the least recently freed goes first.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        max_shared_prompt_len: int | None = None,
+    ):
+        """``max_shared_prompt_len``: a sequence whose prompt is longer neither takes cache hits
+        nor registers its blocks (with dynamic rope scaling its keys depend on that length)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_shared_prompt_len = max_shared_prompt_len
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
         # an ordered set: O(1) to take the oldest, to drop a cache hit, to put back a freed block
@@ -58,6 +67,11 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def shares_blocks(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s computed blocks go through the prefix cache, both ways."""
+        limit = self.max_shared_prompt_len
+        return self.enable_prefix_caching and (limit is None or seq.num_prompt_tokens <= limit)
+
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """The chained hashes of ``seq``'s first ``num_blocks`` full blocks, each computed once."""
         hashes, bs = seq.block_hashes, self.block_size
@@ -67,8 +81,9 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of ``seq``, token ids verified. A sequence
-        that asks for its prompt's log-probabilities computes the whole prompt."""
-        if not self.enable_prefix_caching or not self.hash_to_block or seq.params.prompt_logprobs is not None:
+        that asks for its prompt's log-probabilities, or that shares no blocks, computes the
+        whole prompt."""
+        if not self.hash_to_block or seq.params.prompt_logprobs is not None or not self.shares_blocks(seq):
             return []
         # a full-prompt hit would leave nothing to compute, so the last token is never a hit
         num_full = (len(seq) - 1) // self.block_size
@@ -157,10 +172,8 @@ class BlockManager:
 
     def commit_computed(self, seq: Sequence) -> None:
         """Register the blocks that became full of computed KV, making them shareable."""
-        if not self.enable_prefix_caching:
-            return
         full = seq.num_computed_tokens // self.block_size
-        if full <= seq.num_shared_blocks:
+        if full <= seq.num_shared_blocks or not self.shares_blocks(seq):
             return
         hashes, bs = self._block_hashes(seq, full), self.block_size
         for i in range(seq.num_shared_blocks, full):

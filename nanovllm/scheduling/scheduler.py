@@ -150,7 +150,7 @@ class Scheduler:
             budget -= n
         while admit and self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if _prompt_source_pending(seq) or not self.block_manager.allocate(seq):
+            if self._prompt_source_pending(seq) or not self.block_manager.allocate(seq):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -160,6 +160,15 @@ class Scheduler:
             chunks.append((seq, seq.num_computed_tokens, n))
             budget -= n
         return chunks
+
+    def _prompt_source_pending(self, seq: Sequence) -> bool:
+        """A parallel sample waits until its first sibling has computed the prompt, so that it
+        finds the prompt's full blocks in the prefix cache instead of computing them again
+        (when it can share them)."""
+        source = seq.prompt_source
+        if source is None or source.is_finished or not self.block_manager.shares_blocks(seq):
+            return False
+        return source.num_computed_tokens < source.num_prompt_tokens
 
     def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -231,12 +240,3 @@ class Scheduler:
         self.block_manager.release_all()
         self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))
         return aborted
-
-
-def _prompt_source_pending(seq: Sequence) -> bool:
-    """A parallel sample waits until its first sibling has computed the prompt, so that it
-    finds the prompt's full blocks in the prefix cache instead of computing them again."""
-    source = seq.prompt_source
-    if source is None or source.is_finished:
-        return False
-    return source.num_computed_tokens < source.num_prompt_tokens

@@ -23,17 +23,26 @@ class CheckedHarness(Harness):
         super().__init__(max_num_seqs=SEQS, max_model_len=MAX_LEN, block_size=BLOCK, **options)
         self.builder = builder
         self.steps_checked = 0
+        self.decode_steps_with_rope_lengths = 0
 
     def apply_batch(self, step: ScheduledStep) -> None:
         super().apply_batch(step)
         inputs = self.builder.build(step.batch)
         b, meta = step.batch, inputs.meta
-        positions, slots, ids = [], [], []
+        positions, slots, ids, token_seqs = [], [], [], []
         for seq, start, n in zip(step.seqs, b.start_positions, b.num_tokens):
             positions += range(start, start + n)
+            token_seqs += [seq] * n
             slots += [seq.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
             ids += seq.token_ids[start : start + n]  # nothing yet for a token in flight
         assert inputs.positions.tolist() == positions
+        if self.builder.rope_lengths:  # a prompt token turns on its whole prompt's length
+            lengths = [max(p + 1, seq.num_prompt_tokens) for seq, p in zip(token_seqs, positions)]
+            if inputs.rope_lengths is None:
+                assert b.is_decode and lengths == [p + 1 for p in positions]
+            else:
+                assert inputs.rope_lengths.tolist() == lengths
+                self.decode_steps_with_rope_lengths += b.is_decode
         # torch.compile guards on the offset of its inputs: one that moved would recompile mid-run
         assert inputs.positions.storage_offset() == 0
         assert meta.slot_mapping.tolist() == slots
@@ -96,6 +105,21 @@ def test_inputs_follow_the_sequences_through_a_workload(config, plan_ahead, num_
     assert h.steps_checked > 20
     if num_blocks == 12:
         assert h.sched.num_preemptions > 0
+
+
+def test_rope_lengths_follow_the_prompts_through_chunks_and_preemption(config):
+    h = CheckedHarness(
+        StepInputBuilder(config, torch.device("cpu"), rope_lengths=True),
+        num_blocks=8,
+        max_num_batched_tokens=2,  # one-token prompt chunks beside a decode: steps all of one token
+        mixed=True,
+    )
+    rng = random.Random(0)
+    for _ in range(8):
+        h.add([rng.randrange(VOCAB) for _ in range(rng.randrange(1, 20))], max_tokens=rng.randrange(1, 16))
+    h.run()
+    h.check_done()
+    assert h.sched.num_preemptions > 0 and h.decode_steps_with_rope_lengths > 0
 
 
 def test_sampling_values_travel_per_row(config):

@@ -56,6 +56,23 @@ def test_same_block_after_different_prefixes_is_not_shared():
     check_invariants(bm, [x, y, z, w])
 
 
+def test_prompts_past_the_shared_length_neither_hit_nor_register():
+    """With dynamic rope scaling a prompt longer than the original context is rotated by its
+    own length: its KV is no other prompt's."""
+    bm = BlockManager(16, BS, max_shared_prompt_len=8)
+    long = computed_seq(bm, range(1, 11))
+    assert not bm.hash_to_block and long.num_shared_blocks == 0
+    short = computed_seq(bm, range(1, 9))  # within the limit: registers its two blocks
+    assert len(bm.hash_to_block) == 2
+    longer = make_seq(range(1, 12))
+    bm.allocate(longer)
+    assert longer.num_computed_tokens == 0 and not set(longer.block_table) & set(short.block_table)
+    shorter = make_seq(range(1, 8))
+    bm.allocate(shorter)
+    assert shorter.block_table[0] == short.block_table[0] and shorter.num_cached_tokens == BS
+    check_invariants(bm, [long, short, longer, shorter])
+
+
 # --------------------------------------------------------------- free / reuse / eviction
 
 

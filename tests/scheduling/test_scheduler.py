@@ -248,3 +248,15 @@ def test_prompt_of_exactly_max_model_len_gets_one_token(max_model_len):
     assert finished == [s] and len(s.completion_token_ids) == 1
     assert s.finish_reason == "length"
     assert h.sched.is_finished() and h.bm.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("prompt_len, waits", [(8, True), (9, False)])
+def test_a_parallel_sample_waits_for_its_prompt_only_if_it_can_share_it(prompt_len, waits):
+    h = Harness(num_blocks=100, block_size=4)
+    h.bm.max_shared_prompt_len = 8  # as with dynamic rope scaling: longer prompts share no blocks
+    source, sibling = (h.add([1] * prompt_len, max_tokens=2) for _ in range(2))
+    sibling.prompt_source = source
+    batch, _, _ = h.step()
+    assert batch == ([source] if waits else [source, sibling])
+    h.run()
+    h.check_done()
