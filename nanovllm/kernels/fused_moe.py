@@ -122,7 +122,7 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
         block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
         return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
     if per_expert <= 48:  # bound by reading the experts' weights: long K tiles
-        block_m = 16 if per_expert <= 16 else 32
+        block_m = 16 if per_expert <= 8 else 32
         return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     if per_expert <= 96:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
