@@ -1,6 +1,5 @@
-"""Data-parallel replicas on a local Ray instance (CPU): the same greedy tokens as one
-in-process engine, a dead replica survived, map_batches over a JSONL file, nothing left
-running after shutdown."""
+"""Data-parallel replicas on a local Ray instance (CPU): HF's greedy tokens in prompt order,
+a dead replica survived, map_batches over a JSONL file, nothing left running after shutdown."""
 
 import json
 import os
@@ -11,7 +10,9 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")  # CI installs it
 
-from nanovllm import LLM, SamplingParams  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.replicas import LLMPredictor, LLMReplicas  # noqa: E402
 
 OPTIONS = dict(device="cpu", dtype="float32", max_model_len=128, kvcache_block_size=16, max_num_seqs=8)
@@ -26,9 +27,8 @@ def local_ray():
 
 
 @pytest.fixture(scope="module")
-def expected(qwen3_dir, prompts):
-    with LLM(qwen3_dir, **OPTIONS) as llm:
-        return [o["token_ids"] for o in llm.generate(prompts * 2, GREEDY, use_tqdm=False)]
+def expected(qwen3_dir, prompts, hf_reference):
+    return hf_reference(qwen3_dir, prompts, GREEDY.max_tokens) * 2
 
 
 def alive(pid: int) -> bool:
@@ -66,7 +66,7 @@ def test_a_dead_replica_is_reported_and_its_prompts_retried(local_ray, qwen3_dir
     assert wait_gone(pids)
 
 
-def test_map_batches_round_trips_a_jsonl_file(local_ray, qwen3_dir, tmp_path):
+def test_map_batches_round_trips_a_jsonl_file(local_ray, qwen3_dir, tmp_path, hf_reference):
     texts = ["The quick brown fox", "Hello, Nano-vLLM.", "Paged attention", "list all prime numbers"]
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in enumerate(texts)))
@@ -80,12 +80,12 @@ def test_map_batches_round_trips_a_jsonl_file(local_ray, qwen3_dir, tmp_path):
     ds.write_json(str(tmp_path / "out"))
     files = sorted((tmp_path / "out").iterdir())
     rows = [json.loads(line) for f in files for line in f.read_text().splitlines()]
-    with LLM(qwen3_dir, **OPTIONS) as llm:
-        want = {t: o.outputs[0] for t, o in zip(texts, llm.generate(texts, GREEDY, use_tqdm=False))}
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    want = dict(zip(texts, hf_reference(qwen3_dir, [tokenizer.encode(t) for t in texts], GREEDY.max_tokens)))
     assert sorted(r["id"] for r in rows) == list(range(len(texts)))
     for row in rows:
-        assert row["generated_token_ids"] == want[row["prompt"]].token_ids
-        assert row["generated_text"] == want[row["prompt"]].text
+        assert row["generated_token_ids"] == want[row["prompt"]]
+        assert row["generated_text"] == tokenizer.decode(want[row["prompt"]], skip_special_tokens=True)
 
 
 def test_bad_pool_size(local_ray, qwen3_dir):

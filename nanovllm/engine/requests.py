@@ -80,6 +80,14 @@ def sample_params(params: SamplingParams, index: int, max_model_len: int) -> Sam
     return replace(params, **changes) if changes else params
 
 
+def _logprob_entry(token_id: int, row: tuple[float, list[int], list[float]], k: int) -> dict[int, float]:
+    """``{token id: log-probability}`` of a row's top ``k`` and of the token it chose."""
+    logprob, ids, values = row
+    entry = dict(zip(ids[:k], values[:k]))
+    entry[token_id] = logprob
+    return entry
+
+
 class Request:
     """One prompt's ``n`` sequences, and the text of each as it is generated."""
 
@@ -108,22 +116,16 @@ class Request:
         """Record the log-probabilities of prompt tokens ``first, first + 1, ...`` (once each:
         a preempted prompt is computed again)."""
         k = self.params.prompt_logprobs
-        for index, token_id, (logprob, ids, values) in zip(range(first, first + len(rows)), target_ids, rows):
+        for index, token_id, row in zip(range(first, first + len(rows)), target_ids, rows):
             if self.prompt_logprobs[index] is None:
-                entry = dict(zip(ids[:k], values[:k]))
-                entry[token_id] = logprob
-                self.prompt_logprobs[index] = entry
+                self.prompt_logprobs[index] = _logprob_entry(token_id, row, k)
 
     def add_logprobs(self, index: int, token_id: int, row: tuple[float, list[int], list[float]]) -> None:
         """Record the log-probabilities of sequence ``index``'s newest token (once)."""
         entries = self.logprobs[index]
         if len(entries) < self.seqs[index].num_completion_tokens:
-            logprob, ids, values = row
-            k = self.params.logprobs
-            entry = dict(zip(ids[:k], values[:k]))
-            entry[token_id] = logprob
-            entries.append(entry)
-            self.cumulative_logprobs[index] += logprob
+            entries.append(_logprob_entry(token_id, row, self.params.logprobs))
+            self.cumulative_logprobs[index] += row[0]
 
     @property
     def finished(self) -> bool:
@@ -148,19 +150,17 @@ class Request:
             end = start + len(stop) if self.params.include_stop_str_in_output else start
             self.texts[index] = detok.text[:end]
             return stop
-        if seq.is_finished:
-            skip = self.params.skip_special_tokens
-            self.texts[index] = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=skip)
-        else:
-            self.texts[index] = detok.text
+        self.texts[index] = self._whole_text(seq) if seq.is_finished else detok.text
         return None
+
+    def _whole_text(self, seq: Sequence) -> str:
+        skip = self.params.skip_special_tokens
+        return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=skip)
 
     def decode_all(self) -> None:
         """The whole text of every completion at once (when nothing followed it step by step)."""
         if self.tokenizer is not None:
-            skip = self.params.skip_special_tokens
-            decode = self.tokenizer.decode
-            self.texts = [decode(s.completion_token_ids, skip_special_tokens=skip) for s in self.seqs]
+            self.texts = [self._whole_text(seq) for seq in self.seqs]
 
     def output(self) -> RequestOutput:
         completions = []

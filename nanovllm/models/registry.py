@@ -95,7 +95,7 @@ def context_len(config: PretrainedConfig) -> int:
     for linear rope scaling, whose configs keep the length before scaling, and for dynamic
     scaling, which stretches that length (as vLLM counts it)."""
     _, scaling = rope_settings(config)
-    kind = rope_type(config)
+    kind = scaling_type(scaling)
     factor = 1.0
     if kind == "linear":
         factor = scaling.get("factor", 1.0)
@@ -129,8 +129,8 @@ def _refuse_unimplemented(config: PretrainedConfig, arch: Architecture) -> None:
         raise ValueError(f"{arch.name} checkpoint sets {feature}, which nanovllm does not implement")
 
     _, scaling = rope_settings(config)
-    if rope_type(config) not in SCALING_TYPES:
-        refuse(f"rope scaling {rope_type(config)!r} (implemented: {', '.join(SCALING_TYPES)})")
+    if scaling_type(scaling) not in SCALING_TYPES:
+        refuse(f"rope scaling {scaling_type(scaling)!r} (implemented: {', '.join(SCALING_TYPES)})")
     partial = scaling.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if partial != 1.0:
         refuse(f"partial_rotary_factor={partial} (rotary embeddings on part of each head)")

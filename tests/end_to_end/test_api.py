@@ -38,14 +38,15 @@ def test_request_output_fields_and_dict_access(llm, qwen3_dir, hf_reference):
     assert len({o.request_id for o in out}) == 2
 
 
-def test_prompt_forms_give_the_same_completion(llm):
+def test_prompt_forms_give_the_same_completion(llm, qwen3_dir, hf_reference):
     forms = [PROMPT, {"prompt_token_ids": PROMPT}, tuple(PROMPT)]
     outs = llm.generate([PROMPT], greedy(), use_tqdm=False) + llm.generate(forms[1], greedy(), use_tqdm=False)
     outs += llm.generate([forms[2]], greedy(), use_tqdm=False)
-    assert len({tuple(o["token_ids"]) for o in outs}) == 1
+    assert {tuple(o["token_ids"]) for o in outs} == {tuple(hf_reference(qwen3_dir, [PROMPT], 24)[0])}
     text = llm.get_tokenizer().decode(PROMPT)
     by_text = llm.generate([{"prompt": text}, text], greedy(), use_tqdm=False)
-    assert by_text[0]["token_ids"] == by_text[1]["token_ids"]
+    want = hf_reference(qwen3_dir, [llm.get_tokenizer().encode(text)], 24)[0]
+    assert by_text[0]["token_ids"] == by_text[1]["token_ids"] == want
 
 
 @pytest.mark.parametrize(

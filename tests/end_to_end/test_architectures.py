@@ -4,8 +4,9 @@ with tensor parallelism (gloo)."""
 
 import pytest
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import SamplingParams
 from tests.checkpoints import make_random_checkpoint
+from tests.end_to_end.cached_twice import generate_twice
 
 GREEDY = SamplingParams(0.0, 20, True)
 BASE = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=8, kvcache_block_size=16)
@@ -30,19 +31,12 @@ def model_dir(request, tmp_path_factory) -> str:
     return make_random_checkpoint(path, architecture, seed=3, **overrides)
 
 
-def generate(model_dir: str, prompts, **options) -> list[list[int]]:
-    with LLM(model_dir, **{**BASE, **options}) as llm:
-        first = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        again = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]  # prefix-cache hits
-        assert llm.scheduler.block_manager.hash_to_block
-    assert first == again
-    return first
-
-
 def test_greedy_matches_hf_chunked_and_cached(model_dir, prompts, hf_reference):
-    assert generate(model_dir, prompts, max_num_batched_tokens=24) == hf_reference(model_dir, prompts, 20)
+    ours = generate_twice(model_dir, prompts, GREEDY, dict(BASE, max_num_batched_tokens=24))
+    assert ours == hf_reference(model_dir, prompts, 20)
 
 
 def test_tensor_parallel_matches_hf(model_dir, prompts, hf_reference):
     batch = prompts[2:6]
-    assert generate(model_dir, batch, tensor_parallel_size=2) == hf_reference(model_dir, batch, 20)
+    ours = generate_twice(model_dir, batch, GREEDY, dict(BASE, tensor_parallel_size=2))
+    assert ours == hf_reference(model_dir, batch, 20)

@@ -66,7 +66,7 @@ def check_prompt_logprobs(hf_model, prompt: list[int], got: list, k: int) -> Non
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("budget", [None, 7], ids=["whole", "chunked"])
-def test_prompt_logprobs_match_hf(qwen3_dir, hf_model, async_scheduling, budget):
+def test_prompt_logprobs_match_hf(qwen3_dir, hf_model, hf_reference, async_scheduling, budget):
     long_prompt = (PROMPTS[0] * 3)[:40]
     options = {**OPTIONS, **({"max_num_batched_tokens": budget} if budget else {})}
     with LLM(qwen3_dir, **options, async_scheduling=async_scheduling) as llm:
@@ -83,4 +83,4 @@ def test_prompt_logprobs_match_hf(qwen3_dir, hf_model, async_scheduling, budget)
     check_prompt_logprobs(hf_model, long_prompt, outs[0].prompt_logprobs, 2)
     check_prompt_logprobs(hf_model, PROMPTS[1], outs[1].prompt_logprobs, 0)
     assert outs[2].prompt_logprobs is None
-    assert outs[0]["token_ids"] == first["token_ids"]
+    assert outs[0]["token_ids"] == first["token_ids"] == hf_reference(qwen3_dir, [long_prompt], 3)[0]

@@ -5,8 +5,9 @@ prefix-cache hits and tensor parallelism (experts split by intermediate size).""
 import pytest
 import torch
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import SamplingParams
 from tests.checkpoints import make_random_checkpoint
+from tests.end_to_end.cached_twice import generate_twice
 
 GREEDY = SamplingParams(0.0, 16, True)
 BASE = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=8, kvcache_block_size=16)
@@ -27,20 +28,15 @@ def moe_dir(request, tmp_path_factory) -> str:
     return make_random_checkpoint(path, architecture, seed=5, **overrides)
 
 
-def generate(model_dir: str, prompts, **options) -> list[list[int]]:
-    with LLM(model_dir, **{**BASE, **options}) as llm:
-        first = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == first
-    return first
-
-
 def test_greedy_matches_hf_chunked_and_cached(moe_dir, prompts, hf_reference):
-    assert generate(moe_dir, prompts, max_num_batched_tokens=24) == hf_reference(moe_dir, prompts, 16)
+    ours = generate_twice(moe_dir, prompts, GREEDY, dict(BASE, max_num_batched_tokens=24))
+    assert ours == hf_reference(moe_dir, prompts, 16)
 
 
 def test_tensor_parallel_matches_hf(moe_dir, prompts, hf_reference):
     batch = prompts[2:6]
-    assert generate(moe_dir, batch, tensor_parallel_size=2) == hf_reference(moe_dir, batch, 16)
+    ours = generate_twice(moe_dir, batch, GREEDY, dict(BASE, tensor_parallel_size=2))
+    assert ours == hf_reference(moe_dir, batch, 16)
 
 
 @pytest.mark.gpu
@@ -48,4 +44,4 @@ def test_tensor_parallel_matches_hf(moe_dir, prompts, hf_reference):
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_cuda_fused_kernel_matches_hf(moe_dir, prompts, hf_reference, eager):
     options = dict(BASE, device="cuda", enforce_eager=eager, max_num_batched_tokens=24)
-    assert generate(moe_dir, prompts, **options) == hf_reference(moe_dir, prompts, 16)
+    assert generate_twice(moe_dir, prompts, GREEDY, options) == hf_reference(moe_dir, prompts, 16)
