@@ -61,7 +61,6 @@ def run_nanovllm(args, path, dummy, prompts, max_tokens) -> list[float]:
         attention_backend=args.attention_backend,
         async_scheduling=args.async_scheduling,
         mixed_steps=args.mixed_steps,
-        overlap_mixed_steps=args.overlap_mixed_steps,
         kv_cache_dtype=args.kv_cache_dtype,
         **max_num_seqs_option(args),
     )
@@ -190,12 +189,6 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="nanovllm: prompt chunks share steps with decodes (default on)",
-    )
-    parser.add_argument(
-        "--overlap-mixed-steps",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="nanovllm: a mixed step's decode rows run beside its prompt rows on a second stream",
     )
     parser.add_argument(
         "--hf-runs", type=int, default=1, help="timed runs for hf, whose run takes minutes on a GPU"

@@ -62,7 +62,6 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--overlap-mixed-steps", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-seqs", type=int, default=256)
@@ -79,7 +78,6 @@ def main() -> None:
         max_model_len=4096,
         async_scheduling=args.async_scheduling,
         mixed_steps=args.mixed_steps,
-        overlap_mixed_steps=args.overlap_mixed_steps,
         gpu_memory_utilization=args.gpu_memory_utilization,
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
     )

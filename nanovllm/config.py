@@ -52,10 +52,6 @@ class Config:
     mixed_steps: bool = True
     """Let prompt chunks share a step with the running decodes under the token budget, so
     decodes never stop for a prompt; off, prompt work runs in steps of its own, first."""
-    overlap_mixed_steps: bool = True
-    """In a mixed step on one GPU, run the decode rows through their CUDA graph on a second
-    stream beside the prompt rows: decode attention (bound by memory) then overlaps the prompt
-    GEMMs (bound by compute). Takes effect with CUDA graphs and ``tensor_parallel_size`` 1."""
     async_scheduling: bool = True
     """Plan each step while the previous one runs on the device (with tensor parallelism,
     rank 0 then broadcasts each step's sampled tokens to the other ranks)."""

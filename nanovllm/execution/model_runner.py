@@ -1,12 +1,10 @@
 """Runs the model for a :class:`StepBatch` on one tensor-parallel rank."""
 
-from dataclasses import replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from nanovllm.attention import AttentionMetadata
 from nanovllm.config import Config
 from nanovllm.execution.compile import compile_elementwise_ops
 from nanovllm.execution.cuda_graph import DecodeGraphs
@@ -114,7 +112,6 @@ class ModelRunner:
         self.inputs = StepInputBuilder(config, self.device, self.model.uses_rope_lengths)
         self.last_sampled: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
-        self.side_stream: torch.cuda.Stream | None = None
         self.kv_cache: KVCache | None = None
         num_blocks = KVCache.num_blocks_to_allocate(config, self.device, self.tp, self._profile_peak_bytes)
         self.kv_cache = KVCache(self.model, num_blocks, config, self.device)
@@ -122,9 +119,6 @@ class ModelRunner:
             self._warm_up()
             if not config.enforce_eager and self.kv_cache.layers[0].backend.supports_cuda_graphs:
                 self.graphs = self._capture_decode_graphs()
-                # two streams on one communicator could order collectives differently per rank
-                if config.overlap_mixed_steps and self.tp.size == 1:
-                    self.side_stream = torch.cuda.Stream(self.device)
 
     @property
     def num_kvcache_blocks(self) -> int:
@@ -172,8 +166,6 @@ class ModelRunner:
             input_ids = torch.cat((previous, input_ids)) if input_ids.numel() else previous
         if batch.is_decode and self.graphs is not None and inputs.rope_lengths is None:
             hidden = self.graphs.replay(input_ids, inputs.positions, inputs.meta)
-        elif self.side_stream is not None and inputs.meta.num_decode_tokens and inputs.rope_lengths is None:
-            hidden = self._overlapped_mixed_forward(input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths)
         prompt_lp = None
@@ -194,20 +186,6 @@ class ModelRunner:
                 self.last_sampled = torch.empty(len(batch), dtype=torch.int64, device=self.device)
             dist.broadcast(self.last_sampled, src=0)
         return SampledTokens(self.last_sampled, logprobs, prompt_lp) if self.tp.rank == 0 else None
-
-    def _overlapped_mixed_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """A mixed step's decode rows through their CUDA graph on the side stream, its prompt
-        rows eagerly on this one. Rows never interact, so the two only join at the end."""
-        d, main = meta.num_decode_tokens, torch.cuda.current_stream(self.device)
-        self.side_stream.wait_stream(main)
-        with torch.cuda.stream(self.side_stream):
-            decoded = self.graphs.replay(input_ids[:d], positions[:d], meta.decode)
-        prompt_meta = replace(meta, slot_mapping=meta.slot_mapping[d:], decode=None)
-        prefilled = self.model(input_ids[d:], positions[d:], prompt_meta)
-        main.wait_stream(self.side_stream)
-        return torch.cat((decoded, prefilled))
 
     def run(self, batch: StepBatch) -> list[int] | None:
         """One step, waiting for its tokens (rank 0) — what TP workers and tools call."""
