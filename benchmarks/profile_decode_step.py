@@ -83,7 +83,9 @@ def main() -> None:
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     gpu_us = sum(e.self_device_time_total for e in kernels) / 5
     print(f"GPU busy per step: {gpu_us / 1e3:.3f} ms (so {wall - gpu_us / 1e3:.3f} ms/step not overlapped)")
-    print(f"kernels per step: {sum(e.count for e in kernels) / 5:.0f}")
+    copies = sum(e.count for e in kernels if e.key.startswith(("Memcpy", "Memset")))
+    launches = sum(e.count for e in kernels) - copies
+    print(f"kernels per step: {launches / 5:.0f} (and {copies / 5:.0f} copies or fills)")
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
     llm.exit()
 
