@@ -118,15 +118,6 @@ def _fused_linear_kernel(
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], y, mask=mask)
 
 
-FUSED_MAX_ROWS = 512  # measured: past this cuBLAS and separate kernels are faster
-
-
-def fused_linear_pays(num_rows: int) -> bool:
-    """Whether a step of ``num_rows`` rows runs faster through :func:`fused_linear` than
-    through cuBLAS and separate norm, SwiGLU and add kernels (H200, bf16)."""
-    return num_rows <= FUSED_MAX_ROWS
-
-
 def _tiles(num_rows: int, element_size: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a step of ``num_rows`` rows."""
     block_m = max(16, min(64, triton.next_power_of_2(num_rows)))

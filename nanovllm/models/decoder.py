@@ -9,7 +9,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata, QKTransform
-from nanovllm.kernels.fused_linear import fused_linear, fused_linear_pays
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -47,19 +46,14 @@ class DecoderAttention(nn.Module):
         self, positions: torch.Tensor, cos_sin: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """``cos_sin[positions]``: each token's rotary cos then sin."""
-        return self.o_proj(self.attend(positions, cos_sin, self.qkv_proj(x), meta))
-
-    def attend(
-        self, positions: torch.Tensor, cos_sin: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Attention on the q/k/v projection's output; ``[tokens, heads * head_dim]``, before o_proj."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.has_qk_norm else ()
-        return self.attn(q, k, v, QKTransform(positions, cos_sin, *norm), meta).flatten(1, -1)
+        o = self.attn(q, k, v, QKTransform(positions, cos_sin, *norm), meta)
+        return self.o_proj(o.flatten(1, -1))
 
 
 class DecoderMLP(nn.Module):
@@ -131,20 +125,6 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return getattr(self, self.ffn_name)(x), residual
 
-    def forward_fused(
-        self, positions: torch.Tensor, cos_sin: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """The same layer (dense MLP, one rank) on the residual stream ``h``, updated in place:
-        each RMSNorm runs inside the projection after it, SwiGLU inside gate_up, each residual
-        add inside the projection before it."""
-        attn, mlp = self.self_attn, self.mlp
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        qkv = fused_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps)
-        o = attn.attend(positions, cos_sin, qkv, meta)
-        fused_linear(o, attn.o_proj.weight, attn.o_proj.bias, residual=h, out=h)
-        act = fused_linear(h, mlp.gate_up_proj.weight, norm_weight=norm2.weight, eps=norm2.eps, swiglu=True)
-        return fused_linear(act, mlp.down_proj.weight, residual=h, out=h)
-
 
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, arch: Architecture, tp: TPGroup, backend: AttentionBackend):
@@ -158,11 +138,6 @@ class DecoderModel(nn.Module):
             [DecoderLayer(config, arch, tp, backend, i) for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Fused projections on one rank (a residual add inside a row-parallel projection would
-        # come before its all-reduce), with dense MLPs; on CPU where the backend runs Triton
-        # kernels through the interpreter.
-        self.can_fuse = tp.size == 1 and all(layer.ffn_name == "mlp" for layer in self.layers)
-        self.fuses_on_cpu = backend.name == "triton"
 
     def forward(
         self,
@@ -177,10 +152,6 @@ class DecoderModel(nn.Module):
             cos_sin = rope.cos_sin_rows(positions, positions + 1 if rope_lengths is None else rope_lengths)
             positions = torch.arange(positions.shape[0], device=positions.device)
         x, residual = self.embed_tokens(input_ids), None
-        if self.can_fuse and (x.is_cuda or self.fuses_on_cpu) and fused_linear_pays(x.shape[0]):
-            for layer in self.layers:
-                x = layer.forward_fused(positions, cos_sin, x, meta)
-            return self.norm(x)
         for layer in self.layers:
             x, residual = layer(positions, cos_sin, x, residual, meta)
         return self.norm(x, residual)[0]
