@@ -4,11 +4,16 @@ Run from the project root: ``PYTHONPATH=. python3 benchmarks/bench_decode_attent
 Bandwidth counts the K and V bytes the kernel must read: sum(context_lens) * num_kv_heads *
 head_dim * 2 * the cache dtype's size (``--kv-cache-dtype fp8``: one byte). The copy counts
 bytes read plus bytes written.
+
+Timed as a decode step runs it: one CUDA graph holds the call for up to ``--layers`` layers,
+each reading a cache of its own (so no layer finds another's K/V in L2), and the time is per
+call. A graph's own launch cost is then spread over its layers, as in the engine.
 """
 
 import argparse
 import itertools
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from triton.testing import do_bench
@@ -32,34 +37,37 @@ def copy_bandwidth(num_bytes: int, rep_ms: int) -> float:
     return 2 * num_bytes / ms / 1e6
 
 
-def graph_time_us(fn: Callable[[], object], rep_ms: int) -> float:
-    """Median microseconds of ``fn`` replayed as a CUDA graph, as the engine runs decode steps
-    (a plain launch from Python costs more CPU time than a small decode step takes on the GPU).
-    do_bench clears the L2 cache before each replay."""
-    fn()  # compile outside the capture
+def graph_time_us(fns: list[Callable[[], object]], rep_ms: int) -> float:
+    """Median microseconds per call of ``fns`` captured in one CUDA graph, as the engine runs
+    decode steps (a plain launch from Python costs more CPU time than a small decode step takes
+    on the GPU). do_bench clears the L2 cache before each replay."""
+    fns[0]()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, rep=rep_ms, return_mode="median") * 1e3
+        for fn in fns:
+            fn()
+    return do_bench(graph.replay, rep=rep_ms, return_mode="median") * 1e3 / len(fns)
 
 
 def bench_decode(
-    batch: int, context: int, block_size: int, rep_ms: int, cache_dtype: torch.dtype
+    batch: int, context: int, block_size: int, rep_ms: int, cache_dtype: torch.dtype, layers: int
 ) -> tuple[float, int]:
-    """Median microseconds of one decode step with every sequence at ``context`` tokens."""
+    """Median microseconds of one layer's decode attention with every sequence at ``context``
+    tokens, over ``layers`` layers of one graph."""
     blocks_per_seq = context // block_size
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda").to(cache_dtype)
-    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda").to(cache_dtype)
+    caches = [
+        tuple(torch.randn(shape, dtype=DTYPE, device="cuda").to(cache_dtype) for _ in range(2))
+        for _ in range(layers)
+    ]
     # Shuffled blocks, as a real cache fragments over time.
     perm = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
     tables = perm.view(batch, blocks_per_seq)
     ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    us = graph_time_us(
-        lambda: paged_decode_attention(q, k_cache, v_cache, tables, ctx, HEAD_DIM**-0.5), rep_ms
-    )
+    calls = [partial(paged_decode_attention, q, k, v, tables, ctx, HEAD_DIM**-0.5) for k, v in caches]
+    us = graph_time_us(calls, rep_ms)
     splits = default_num_splits(batch, NUM_KV_HEADS, blocks_per_seq, block_size, _num_sms(q.device))
     return us, splits
 
@@ -68,6 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--layers", type=int, default=28, help="layers (caches) per graph, at most")
     args = parser.parse_args()
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
     if not torch.cuda.is_available():
@@ -85,7 +94,8 @@ def main() -> None:
         kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * dtype_bytes
         if kv_bytes > MAX_CACHE_BYTES:
             continue
-        us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype)
+        layers = max(1, min(args.layers, int(MAX_CACHE_BYTES // kv_bytes)))
+        us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype, layers)
         gbs = kv_bytes / us / 1e3
         print(
             f"{batch:>5} {context:>7} {block_size:>5} {splits:>6} {us:>9.1f} "
