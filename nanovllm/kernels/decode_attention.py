@@ -178,7 +178,7 @@ def _decode_reduce_kernel(
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    # Partials go through in chunks: one [num_splits, HEAD_DIM] tile would spill registers.
+    # Partials go through in chunks: one [num_splits, BLOCK_D] tile would spill registers.
     for chunk in range(0, num_splits, CHUNK):
         c_mask = chunk + offs_c < num_splits
         rows = row0 + chunk + offs_c

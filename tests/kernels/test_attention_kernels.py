@@ -128,6 +128,15 @@ def test_decode_attention(block_size, num_kv_heads, head_dim, num_splits, pad, d
     check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, scale), dtype)
 
 
+def test_decode_attention_combines_many_splits() -> None:
+    """80 splits of a 1,100-token context, 69 of them holding tokens: the reduce takes them in
+    more than one pass."""
+    k_cache, v_cache, tables, ctx = make_cache([1100, 40], 16, 1, 32, torch.float32, "neg")
+    q = make_q(2, 2, 1, 32, torch.float32)
+    out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, 80)
+    check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.2), torch.float32)
+
+
 @pytest.mark.parametrize("pad", ["neg", "garbage"])
 def test_decode_ref_vs_naive(pad: str) -> None:
     lens = [1, 16, 17, 45]
