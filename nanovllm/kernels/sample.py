@@ -1,9 +1,11 @@
-"""Drawing one token per row of logits by inverse transform sampling, in one kernel.
+"""Drawing one token per row of logits by inverse transform sampling, in two kernels.
 
 For row ``r`` with temperature ``T`` and a uniform ``u`` in [0, 1): the token is the first
 index whose cumulative ``softmax(logits / T)`` exceeds ``u``; ``T == 0`` means argmax.
-The kernel reads the logits twice (normaliser, then the cumulative sum) and writes one int
-per row, where sorting or Gumbel noise would write and read vocabulary-sized tensors.
+The first kernel splits every row into chunks and writes each chunk's max, argmax and
+softmax mass, so a row is read by many programs at once; the second combines a row's chunks,
+finds the chunk that holds the draw and scans that chunk alone. No vocabulary-sized tensor is
+written, where sorting or Gumbel noise would write and read one.
 
 A seeded row (``steps[r] >= 0``) takes its uniform from a hash of ``(seeds[r], steps[r])``
 instead, so its draw depends on nothing else in the batch: murmur3's 32-bit finaliser
@@ -15,7 +17,7 @@ import triton
 import triton.language as tl
 
 _LOG2E = tl.constexpr(1.4426950408889634)
-_BLOCK_V = 4096
+_CHUNK = 4096  # logits per program of the first kernel; the second scans one chunk
 _NUM_WARPS = 8
 _MASK32 = 0xFFFF_FFFF
 _STEP_SALT = tl.constexpr(0x9E3779B9)
@@ -78,43 +80,64 @@ def _fmix32(h):
     return h ^ (h >> 16)
 
 
-@triton.jit(do_not_specialize=["vocab_size", "stride_row"])
+@triton.jit(do_not_specialize=["vocab_size", "stride_row", "num_chunks"])
+def _chunk_stats_kernel(
+    logits_ptr,
+    temps_ptr,
+    max_ptr,
+    argmax_ptr,
+    mass_ptr,
+    vocab_size,
+    stride_row,
+    num_chunks,
+    CHUNK: tl.constexpr,
+):
+    """Per (row, chunk): the max logit, its first index, and the sum of 2^((x - max) * scale)."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+    scale = _LOG2E / tl.maximum(tl.load(temps_ptr + row), 1e-6)
+    chunk_max = tl.max(x, 0)
+    first = tl.min(tl.where(x == chunk_max, offs, vocab_size), 0)
+    mass = tl.sum(tl.where(x > float("-inf"), tl.exp2((x - chunk_max) * scale), 0.0), 0)
+    out = row * num_chunks + chunk
+    tl.store(max_ptr + out, chunk_max)
+    tl.store(argmax_ptr + out, first)
+    tl.store(mass_ptr + out, mass)
+
+
+@triton.jit(do_not_specialize=["vocab_size", "stride_row", "num_chunks"])
 def _sample_kernel(
     logits_ptr,
     temps_ptr,
     uniforms_ptr,
     seeds_ptr,
     steps_ptr,
+    max_ptr,
+    argmax_ptr,
+    mass_ptr,
     out_ptr,
     vocab_size,
     stride_row,
+    num_chunks,
     HAS_SEEDS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    CHUNK: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr,
 ):
     row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    chunks = tl.arange(0, MAX_CHUNKS)
+    valid = chunks < num_chunks
+    stats = row * num_chunks + chunks
+    chunk_max = tl.load(max_ptr + stats, mask=valid, other=float("-inf"))
+    row_max = tl.max(chunk_max, 0)
+    chunk_argmax = tl.load(argmax_ptr + stats, mask=valid, other=vocab_size)
+    token = tl.min(tl.where(chunk_max == row_max, chunk_argmax, vocab_size), 0)
     temp = tl.load(temps_ptr + row)
-    scale = _LOG2E / tl.maximum(temp, 1e-6)
-    lanes = tl.arange(0, BLOCK_V)
-    # pass 1, per lane: the running max (first index on ties) and sum of 2^((x - max) * scale)
-    lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    lane_idx = tl.zeros([BLOCK_V], tl.int32)
-    lane_sum = tl.zeros([BLOCK_V], tl.float32)
-    for start in range(0, vocab_size, BLOCK_V):
-        offs = start + lanes
-        x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(lane_max, x)
-        finite = new_max > float("-inf")
-        rescale = tl.where(finite, tl.exp2((lane_max - new_max) * scale), 0.0)
-        lane_sum = lane_sum * rescale + tl.where(finite, tl.exp2((x - new_max) * scale), 0.0)
-        lane_idx = tl.where(x > lane_max, offs, lane_idx)
-        lane_max = new_max
-    row_max = tl.max(lane_max, 0)
-    token = tl.min(tl.where(lane_max == row_max, lane_idx, vocab_size), 0)
     if temp != 0:
-        total = tl.sum(
-            lane_sum * tl.where(lane_max > float("-inf"), tl.exp2((lane_max - row_max) * scale), 0.0), 0
-        )
+        scale = _LOG2E / tl.maximum(temp, 1e-6)
+        mass = tl.load(mass_ptr + stats, mask=valid, other=0.0)
+        mass = tl.where(chunk_max > float("-inf"), mass * tl.exp2((chunk_max - row_max) * scale), 0.0)
         uniform = tl.load(uniforms_ptr + row)
         if HAS_SEEDS:
             step = tl.load(steps_ptr + row)
@@ -124,20 +147,18 @@ def _sample_kernel(
                 h = _fmix32(h ^ (seed >> 32).to(tl.uint32))
                 h = _fmix32(h ^ seed.to(tl.uint32))
                 uniform = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
-        target = uniform * total
-        # pass 2: the first index whose cumulative mass exceeds the target
-        below = 0.0
-        drawn = vocab_size
-        last_positive = -1
-        for start in range(0, vocab_size, BLOCK_V):
-            offs = start + lanes
-            x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
-            p = tl.exp2((x - row_max) * scale)
-            cdf = tl.cumsum(p, 0) + below
-            drawn = tl.minimum(drawn, tl.min(tl.where(cdf > target, offs, vocab_size), 0))
-            last_positive = tl.maximum(last_positive, tl.max(tl.where(p > 0, offs, -1), 0))
-            below += tl.sum(p, 0)
-        token = tl.minimum(drawn, last_positive)
+        target = uniform * tl.sum(mass, 0)
+        cdf = tl.cumsum(mass, 0)
+        # the chunk holding the target; rounding can leave none: the last chunk with mass then
+        chosen = tl.min(tl.where(cdf > target, chunks, MAX_CHUNKS), 0)
+        chosen = tl.minimum(chosen, tl.max(tl.where(mass > 0, chunks, -1), 0))
+        below = tl.sum(tl.where(chunks == chosen, cdf - mass, 0.0), 0)
+        offs = chosen * CHUNK + tl.arange(0, CHUNK)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+        p = tl.exp2((x - row_max) * scale)
+        drawn = tl.min(tl.where(tl.cumsum(p, 0) + below > target, offs, vocab_size), 0)
+        token = tl.minimum(drawn, tl.max(tl.where(p > 0, offs, -1), 0))
     tl.store(out_ptr + row, token.to(out_ptr.dtype.element_ty))
 
 
@@ -153,19 +174,42 @@ def sample_tokens(
     if logits.stride(-1) != 1:
         raise ValueError("logits need a unit stride in the last dimension")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if not rows:
+        return out
     has_seeds = seeds is not None
-    if rows:
-        _sample_kernel[(rows,)](
-            logits,
-            temperatures.float().contiguous(),
-            uniforms.float().contiguous(),
-            seeds.long().contiguous() if has_seeds else out,
-            steps.long().contiguous() if has_seeds else out,
-            out,
-            vocab_size,
-            logits.stride(0),
-            HAS_SEEDS=has_seeds,
-            BLOCK_V=_BLOCK_V,
-            num_warps=_NUM_WARPS,
-        )
+    num_chunks = triton.cdiv(vocab_size, _CHUNK)
+    chunk_max = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
+    chunk_mass = torch.empty_like(chunk_max)
+    chunk_argmax = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
+    temperatures = temperatures.float().contiguous()
+    _chunk_stats_kernel[(rows, num_chunks)](
+        logits,
+        temperatures,
+        chunk_max,
+        chunk_argmax,
+        chunk_mass,
+        vocab_size,
+        logits.stride(0),
+        num_chunks,
+        CHUNK=_CHUNK,
+        num_warps=_NUM_WARPS,
+    )
+    _sample_kernel[(rows,)](
+        logits,
+        temperatures,
+        uniforms.float().contiguous(),
+        seeds.long().contiguous() if has_seeds else out,
+        steps.long().contiguous() if has_seeds else out,
+        chunk_max,
+        chunk_argmax,
+        chunk_mass,
+        out,
+        vocab_size,
+        logits.stride(0),
+        num_chunks,
+        HAS_SEEDS=has_seeds,
+        CHUNK=_CHUNK,
+        MAX_CHUNKS=triton.next_power_of_2(num_chunks),
+        num_warps=_NUM_WARPS,
+    )
     return out

@@ -26,7 +26,7 @@ def assert_in_interval(tokens, logits, temps, uniforms, eps=1e-5):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("vocab", [1, 37, 2048, 5000])
+@pytest.mark.parametrize("vocab", [1, 37, 2048, 5000, 20000])
 def test_sample_matches_reference(dtype, vocab):
     gen = torch.Generator().manual_seed(vocab)
     rows = 12
@@ -45,23 +45,24 @@ def test_sample_matches_reference(dtype, vocab):
 
 
 def test_greedy_takes_the_first_of_tied_maxima():
-    logits = torch.zeros(3, 4100)
+    logits = torch.zeros(4, 9000)  # ties within a chunk of the first kernel and across chunks
     logits[0, [5, 4000]] = 1.0
-    logits[1, [2049, 3000]] = 1.0
+    logits[1, [2049, 3000, 8999]] = 1.0
     logits[2, :] = -1.0
+    logits[3, [4097, 8200]] = 1.0
     logits = logits.to(DEVICE)
-    out = kernel.sample_tokens(logits, torch.zeros(3, device=DEVICE), torch.zeros(3, device=DEVICE))
-    assert out.tolist() == [5, 2049, 0]
+    out = kernel.sample_tokens(logits, torch.zeros(4, device=DEVICE), torch.zeros(4, device=DEVICE))
+    assert out.tolist() == [5, 2049, 0, 4097]
 
 
 def test_only_token_left_is_always_drawn():
-    logits = torch.full((4, 3000), float("-inf"))
-    logits[:, 2999] = 0.0
+    logits = torch.full((4, 9000), float("-inf"))  # the last of three chunks holds all the mass
+    logits[:, 8999] = 0.0
     logits[1, 7] = -200.0  # a token whose probability underflows to 0 at low temperature
     uniforms = torch.tensor([0.0, 0.5, 0.999999, 1 - 2**-24])
     temps = torch.tensor([1.0, 0.05, 1.0, 3.0])
     out = kernel.sample_tokens(logits.to(DEVICE), temps.to(DEVICE), uniforms.to(DEVICE))
-    assert out.tolist() == [2999] * 4
+    assert out.tolist() == [8999] * 4
 
 
 def test_bad_stride_is_refused():
