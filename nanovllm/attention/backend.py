@@ -32,6 +32,12 @@ class AttentionMetadata:
     max_seqlen_k: int = 0
     has_prefix: bool = False
     """True when some sequence attends to keys computed in an earlier step."""
+    decode_order: torch.Tensor | None = field(
+        default=None, metadata={"pad": -1, "why": "a padding row runs in its own place"}
+    )
+    """Decode only, optional: the rows in the order their attention should run, longest
+    context first, so that no long row starts last and runs on alone (int32; -1: the row's
+    own index)."""
     decode: "AttentionMetadata | None" = None
     """In a step that mixes both, the decode rows (one query each), which come first: then
     ``slot_mapping`` covers every token, and the other fields describe the prompt rows only."""

@@ -58,4 +58,6 @@ class TritonBackend(AttentionBackend):
         )
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, row_order=meta.decode_order
+        )

@@ -98,6 +98,8 @@ class StepInputBuilder:
             "slots": blocks * bs + positions % bs,
             "rows": rows,
             "context_lens": context_lens.astype(np.int32),
+            # longest first: a decode program that starts last should not be a long one
+            "decode_order": np.argsort(-context_lens[:d], kind="stable").astype(np.int32),
         }
         if self.rope_lengths:
             # a prompt token is rotated as in its whole prompt, also in a chunk or a recomputation
@@ -130,6 +132,7 @@ class StepInputBuilder:
                 block_tables=block_tables,
                 max_seqlen_k=int(context_lens.max()),
                 has_prefix=bool(starts.any()),
+                decode_order=dev["decode_order"],
             )
         else:
             meta = self._mixed_metadata(dev, block_tables, d, starts, q_lens, context_lens)
@@ -169,6 +172,7 @@ class StepInputBuilder:
                 block_tables=block_tables[:d],
                 max_seqlen_k=int(context_lens[:d].max()),
                 has_prefix=bool(starts[:d].any()),
+                decode_order=dev["decode_order"],
             )
         return AttentionMetadata(
             is_prefill=True,

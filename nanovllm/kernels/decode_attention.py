@@ -11,10 +11,12 @@ _MIN_SPLIT_TOKENS = 64  # default splits never cut a full block table finer than
 _PROGRAMS_PER_SM = 4  # default split count aims at this many programs per SM
 _REDUCE_CHUNK = 64  # splits combined per reduce step (bounds its registers)
 _REDUCE_BLOCK_D = 32  # head dims per reduce program: more programs, each with a short chain
-# Tiles measured on H200 (bf16, head_dim 128, 4 warps). One split means a large batch: long
-# tiles (32 KiB of K per stage, at most 128 tokens) stream best. Several splits mean few
-# programs with short work each: 32-token tiles, 2 stages cut the latency of every step.
-_FINAL_TILE_BYTES, _FINAL_STAGES = 32 * 1024, 3
+# Tiles measured on H200 (bf16, head_dim 128, 4 warps), as a decode step runs the kernel (one
+# graph of many layers, each on its own cache). One split means a large batch: 64-token tiles
+# (16 KiB of K per stage), 2 stages: several programs share an SM, so one's start-up hides
+# under the other's streaming. Several splits mean few programs with short work each:
+# 32-token tiles, 2 stages cut the latency of every step.
+_FINAL_TILE_BYTES, _FINAL_STAGES = 16 * 1024, 2
 _SPLIT_BLOCK_N, _SPLIT_STAGES = 32, 2
 _NUM_WARPS = 4
 
@@ -57,6 +59,7 @@ def _decode_split_kernel(
     v_cache_ptr,
     block_tables_ptr,
     context_lens_ptr,
+    order_ptr,
     out_ptr,
     lse_ptr,
     qk_scale,
@@ -79,6 +82,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
     FINAL: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program: all GROUP query heads of one KV head over one split of one sequence.
@@ -89,6 +93,9 @@ def _decode_split_kernel(
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
+    if HAS_ORDER:  # programs start in launch order; this one takes the row named here
+        ordered = tl.load(order_ptr + seq)
+        seq = tl.where(ordered >= 0, ordered, seq)
     ctx = tl.load(context_lens_ptr + seq)
     # Splits are cut per sequence from its real length; trailing ones may be empty.
     split_len = tl.cdiv(tl.cdiv(ctx, num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
@@ -215,8 +222,12 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    row_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton flash-decoding version of :func:`paged_decode_attention_ref` (same semantics).
+
+    ``row_order`` (int32 ``[batch]``, optional): the rows in the order their programs should
+    start, e.g. longest context first; an entry of -1 stands for its own index.
 
     Each program reads a KV tile once for all query heads of its GQA group. The context is
     cut into ``num_splits`` pieces (default :func:`default_num_splits`) combined by a second
@@ -255,6 +266,7 @@ def paged_decode_attention(
         v_cache,
         block_tables,
         context_lens,
+        row_order if row_order is not None else context_lens,
         part,
         lse,
         scale * _LOG2E,
@@ -273,6 +285,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         SPLIT_ALIGN=_SPLIT_ALIGN,
         FINAL=num_splits == 1,
+        HAS_ORDER=row_order is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=_NUM_WARPS,
         num_stages=num_stages,

@@ -137,6 +137,19 @@ def test_decode_attention_combines_many_splits() -> None:
     check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.2), torch.float32)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_in_a_given_row_order(num_splits) -> None:
+    """Programs take their rows from ``row_order`` (longest first here; -1 keeps a row in its
+    own place): every row still gets its own output."""
+    lens = [5, 70, 33, 1, 48, 17]
+    k_cache, v_cache, tables, ctx = make_cache(lens, 16, 2, 64, torch.float32, "garbage")
+    q = make_q(len(lens), 8, 2, 64, torch.float32)
+    # the first four rows longest first, the last two (as a CUDA graph's padding) in place
+    order = torch.tensor([1, 2, 0, 3, -1, -1], dtype=torch.int32, device=DEVICE)
+    out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, num_splits, row_order=order)
+    check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.2), torch.float32)
+
+
 @pytest.mark.parametrize("pad", ["neg", "garbage"])
 def test_decode_ref_vs_naive(pad: str) -> None:
     lens = [1, 16, 17, 45]
