@@ -14,8 +14,9 @@ _REDUCE_BLOCK_D = 32  # head dims per reduce program: more programs, each with a
 # Tiles measured on H200 (bf16, head_dim 128, 4 warps), as a decode step runs the kernel (one
 # graph of many layers, each on its own cache). One split means a large batch: 64-token tiles
 # (16 KiB of K per stage), 2 stages: several programs share an SM, so one's start-up hides
-# under the other's streaming. Several splits mean few programs with short work each:
-# 32-token tiles, 2 stages cut the latency of every step.
+# under another's streaming. (3 stages stream uniform contexts faster but were slower end to
+# end on the bench, whose contexts vary and run longest first.) Several splits mean few
+# programs with short work each: 32-token tiles, 2 stages cut the latency of every step.
 _FINAL_TILE_BYTES, _FINAL_STAGES = 16 * 1024, 2
 _SPLIT_BLOCK_N, _SPLIT_STAGES = 32, 2
 _NUM_WARPS = 4
