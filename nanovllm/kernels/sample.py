@@ -151,7 +151,7 @@ def _sample_kernel(
         cdf = tl.cumsum(mass, 0)
         # the chunk holding the target; rounding can leave none: the last chunk with mass then
         chosen = tl.min(tl.where(cdf > target, chunks, MAX_CHUNKS), 0)
-        chosen = tl.minimum(chosen, tl.max(tl.where(mass > 0, chunks, -1), 0))
+        chosen = tl.maximum(tl.minimum(chosen, tl.max(tl.where(mass > 0, chunks, -1), 0)), 0)
         below = tl.sum(tl.where(chunks == chosen, cdf - mass, 0.0), 0)
         offs = chosen * CHUNK + tl.arange(0, CHUNK)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
