@@ -58,6 +58,12 @@ class CheckedHarness(Harness):
             assert inputs.previous_sample_rows.tolist() == b.previous_sample_rows
         else:
             assert inputs.previous_sample_rows is None
+        ends = [s + n for s, n in zip(b.start_positions, b.num_tokens)]
+        decode_meta = meta if b.is_decode else meta.decode
+        if decode_meta is not None:  # decode attention takes the rows longest context first
+            order = decode_meta.decode_order.tolist()
+            assert sorted(order) == list(range(d))
+            assert [ends[r] for r in order] == sorted(ends[:d], reverse=True)
         if b.is_decode:
             assert not meta.is_prefill and meta.decode is None
         else:
@@ -66,7 +72,6 @@ class CheckedHarness(Harness):
             # the prompt rows (after the d decode rows) as the prefill kernels see them
             assert meta.is_prefill and meta.num_decode_tokens == d
             assert meta.cu_seqlens_q.tolist() == [sum(lens[d:i]) for i in range(d, len(lens) + 1)]
-            ends = [s + n for s, n in zip(b.start_positions, lens)]
             assert meta.context_lens.tolist() == ends[d:]
             assert meta.cu_seqlens_k.tolist() == [sum(ends[d:i]) for i in range(d, len(lens) + 1)]
             assert meta.has_prefix == any(b.start_positions[d:])
