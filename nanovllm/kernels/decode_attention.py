@@ -11,12 +11,10 @@ _MIN_SPLIT_TOKENS = 64  # default splits never cut a full block table finer than
 _PROGRAMS_PER_SM = 4  # default split count aims at this many programs per SM
 _REDUCE_CHUNK = 64  # splits combined per reduce step (bounds its registers)
 _REDUCE_BLOCK_D = 32  # head dims per reduce program: more programs, each with a short chain
-# Tiles measured on H200 (bf16, head_dim 128, 4 warps), as a decode step runs the kernel (one
-# graph of many layers, each on its own cache). One split means a large batch: 64-token tiles
-# (16 KiB of K per stage), 2 stages: several programs share an SM, so one's start-up hides
-# under another's streaming. (3 stages stream uniform contexts faster but were slower end to
-# end on the bench, whose contexts vary and run longest first.) Several splits mean few
-# programs with short work each: 32-token tiles, 2 stages cut the latency of every step.
+# Tiles measured on H200 (bf16, head_dim 128), many layers per graph as in a decode step. One
+# split (a large batch): 64-token tiles, 2 stages, so several programs share an SM and one's
+# start-up hides under another's streaming (3 stages lost end to end on the bench's varied
+# contexts). Several splits (few, short programs): 32-token tiles cut every step's latency.
 _FINAL_TILE_BYTES, _FINAL_STAGES = 16 * 1024, 2
 _SPLIT_BLOCK_N, _SPLIT_STAGES = 32, 2
 _NUM_WARPS = 4
@@ -91,9 +89,7 @@ def _decode_split_kernel(
     With FINAL (a single split) it writes the output; otherwise the normalised partial output
     to ``out[seq, head, split]`` (fp32) and its base-2 log-sum-exp to ``lse[seq, head, split]``.
     """
-    split = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = tl.program_id(2)
+    split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_ORDER:  # programs start in launch order; this one takes the row named here
         ordered = tl.load(order_ptr + seq)
         seq = tl.where(ordered >= 0, ordered, seq)
@@ -108,11 +104,8 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
-    q = tl.load(
-        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None],
-        other=0.0,
-    )
+    q_offs = seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None], other=0.0)
     k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
     v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -225,10 +218,9 @@ def paged_decode_attention(
     num_splits: int | None = None,
     row_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton flash-decoding version of :func:`paged_decode_attention_ref` (same semantics).
-
-    ``row_order`` (int32 ``[batch]``, optional): the rows in the order their programs should
-    start, e.g. longest context first; an entry of -1 stands for its own index.
+    """Triton flash-decoding version of :func:`paged_decode_attention_ref` (same semantics);
+    ``row_order`` (int32 ``[batch]``, optional) names the rows in the order their programs
+    start, e.g. longest context first (-1: the row's own index).
 
     Each program reads a KV tile once for all query heads of its GQA group. The context is
     cut into ``num_splits`` pieces (default :func:`default_num_splits`) combined by a second
@@ -272,13 +264,11 @@ def paged_decode_attention(
         lse,
         scale * _LOG2E,
         num_splits,
-        q.stride(0),
-        q.stride(1),
+        *q.stride()[:2],
         *k_cache.stride()[:3],
         *v_cache.stride()[:3],
         block_tables.stride(0),
-        part.stride(0),
-        part.stride(1),
+        *part.stride()[:2],
         GROUP=group,
         BLOCK_G=max(_MIN_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -299,8 +289,7 @@ def paged_decode_attention(
             out,
             num_heads,
             num_splits,
-            out.stride(0),
-            out.stride(1),
+            *out.stride()[:2],
             BLOCK_S=triton.next_power_of_2(num_splits),
             CHUNK=min(_REDUCE_CHUNK, triton.next_power_of_2(num_splits)),
             HEAD_DIM=head_dim,
