@@ -3,11 +3,12 @@
     PYTHONPATH=. python3 benchmarks/trace_generate.py [--shape qwen3-8b --num-seqs 1024] [--runs 2]
 
 Runs bench.py's workload like bench.py does and, per timed run, prints: prefill, mixed and
-decode steps with their wall time; the host time spent launching each kind of step (planned
-ahead of the step before, or not) and waiting for tokens; host stalls (waits for a step with
-none queued behind it, after which the GPU idles until the host launches the next); the
-slowest steps; and any Triton kernel or torch.compile graph compiled during the run (a cause
-of a slow first run).
+decode steps with their wall time; the GPU's time from each kind of step's start to its end,
+and its idle time before such steps (CUDA events around every launch); the host time spent
+launching each kind of step (planned ahead of the step before, or not) and waiting for
+tokens; host stalls (waits for a step with none queued behind it, after which the GPU idles
+until the host launches the next); the slowest steps; and any Triton kernel or torch.compile
+graph compiled during the run (a cause of a slow first run).
 """
 
 import argparse
@@ -88,12 +89,19 @@ def main() -> None:
     host = defaultdict(float)
     original_launch, original_tolist = llm._launch, SampledTokens.tolist
     launched: deque[str] = deque()  # kinds of the steps launched and not yet collected
+    # per launched step, events around its work: the GPU reaches the first once the step
+    # before is done and the host has begun this one, so the time between steps is GPU idle
+    spans: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     def launch(step):
         ahead = " ahead" if llm.in_flight else ""
         start = time.perf_counter()
+        gpu_start, gpu_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        gpu_start.record()
         original_launch(step)
+        gpu_end.record()
         kind = step_kind(step.batch)
+        spans.append((kind, gpu_start, gpu_end))
         launched.append(kind)
         host[f"launch {kind}{ahead}"] += time.perf_counter() - start
         host[f"# {kind}{ahead} launches"] += 1
@@ -122,6 +130,7 @@ def main() -> None:
     llm.step = step
     for run in range(1, args.runs + 1):
         steps.clear()
+        spans.clear()
         host.clear()
         events.clear()
         torch.cuda.reset_peak_memory_stats()
@@ -151,6 +160,15 @@ def main() -> None:
             if mine:
                 label = f"{low}-{high}" if high < 1 << 30 else f"{low}+"
                 print(f"  {label:>9s} {len(mine):6d} {sum(mine):9.3f} {1e3 * sum(mine) / len(mine):8.2f}")
+        torch.cuda.synchronize()
+        gpu_span, idle_before = defaultdict(float), defaultdict(float)
+        for i, (kind, gpu_start, gpu_end) in enumerate(spans):
+            gpu_span[kind] += gpu_start.elapsed_time(gpu_end) / 1e3
+            if i:
+                idle_before[kind] += spans[i - 1][2].elapsed_time(gpu_start) / 1e3
+        print("GPU, by step kind: from a step's start to its end (s), and idle before its start (s)")
+        for kind in sorted(gpu_span):
+            print(f"  {kind:8s} {gpu_span[kind]:9.3f} {idle_before[kind]:9.3f}")
         for k, v in sorted(host.items()):
             print(f"  {k:28s} {v:.3f}" + (" s" if not k.startswith("#") else ""))
         slow = sorted(range(len(steps)), key=lambda i: -steps[i][0])[:8]
