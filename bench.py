@@ -63,6 +63,7 @@ def run_nanovllm(args, path, dummy, prompts, max_tokens) -> list[float]:
         mixed_steps=args.mixed_steps,
         kv_cache_dtype=args.kv_cache_dtype,
         **max_num_seqs_option(args),
+        **({"kvcache_block_size": args.kvcache_block_size} if args.kvcache_block_size else {}),
     )
     print(f"nanovllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
@@ -177,6 +178,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help='"auto" or "fp8" (nanovllm and vLLM)')
     parser.add_argument(
         "--max-num-seqs", type=int, default=None, help="running requests at most (default: each engine's own)"
+    )
+    parser.add_argument(
+        "--kvcache-block-size", type=int, default=None, help="nanovllm: tokens per KV block (default 256)"
     )
     parser.add_argument(
         "--async-scheduling",

@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=None, help="the engine's (default: its own)")
+    parser.add_argument("--kvcache-block-size", type=int, default=None, help="tokens per KV block")
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
     args = parser.parse_args()
@@ -81,6 +82,7 @@ def main() -> None:
         mixed_steps=args.mixed_steps,
         gpu_memory_utilization=args.gpu_memory_utilization,
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
+        **({"kvcache_block_size": args.kvcache_block_size} if args.kvcache_block_size else {}),
     )
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
