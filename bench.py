@@ -44,8 +44,9 @@ def model_dir(args) -> tuple[str, bool]:
     return path, True
 
 
-def max_num_seqs_option(args) -> dict:
-    return {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+def given_options(args, *names: str) -> dict:
+    """The named engine options the command line sets (the rest keep each engine's default)."""
+    return {name: getattr(args, name) for name in names if getattr(args, name)}
 
 
 def run_nanovllm(args, path, dummy, prompts, max_tokens) -> list[float]:
@@ -62,8 +63,7 @@ def run_nanovllm(args, path, dummy, prompts, max_tokens) -> list[float]:
         async_scheduling=args.async_scheduling,
         mixed_steps=args.mixed_steps,
         kv_cache_dtype=args.kv_cache_dtype,
-        **max_num_seqs_option(args),
-        **({"kvcache_block_size": args.kvcache_block_size} if args.kvcache_block_size else {}),
+        **given_options(args, "max_num_seqs", "kvcache_block_size"),
     )
     print(f"nanovllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
@@ -90,7 +90,7 @@ def run_vllm(args, path, dummy, prompts, max_tokens) -> list[float]:
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tp,
         kv_cache_dtype=args.kv_cache_dtype,
-        **max_num_seqs_option(args),
+        **given_options(args, "max_num_seqs"),
     )
     print(f"vllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
     params = [

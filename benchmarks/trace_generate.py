@@ -19,7 +19,7 @@ from collections import defaultdict, deque
 
 import torch
 
-from bench import workload
+from bench import given_options, workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo_models import SHAPES, write_config
 from nanovllm.execution.model_runner import SampledTokens
@@ -81,8 +81,7 @@ def main() -> None:
         async_scheduling=args.async_scheduling,
         mixed_steps=args.mixed_steps,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
-        **({"kvcache_block_size": args.kvcache_block_size} if args.kvcache_block_size else {}),
+        **given_options(args, "max_num_seqs", "kvcache_block_size"),
     )
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)

@@ -7,10 +7,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT))  # the script imports bench.py's workload
 
 
 def load_simulator():
-    sys.path.insert(0, str(ROOT))  # the script imports bench.py's workload
     path = ROOT / "benchmarks" / "simulate_schedule.py"
     spec = importlib.util.spec_from_file_location("simulate_schedule", path)
     module = importlib.util.module_from_spec(spec)
