@@ -180,7 +180,10 @@ def main() -> None:
         "--max-num-seqs", type=int, default=None, help="running requests at most (default: each engine's own)"
     )
     parser.add_argument(
-        "--kvcache-block-size", type=int, default=None, help="nanovllm: tokens per KV block (default 256)"
+        "--kvcache-block-size",
+        type=int,
+        default=None,
+        help="nanovllm: tokens per KV block (default: 128, or 256 with flash-attn)",
     )
     parser.add_argument(
         "--async-scheduling",

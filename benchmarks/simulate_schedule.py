@@ -16,7 +16,10 @@ is then priced on one H200 for Qwen3-8B:
 It estimates where a scheduling choice moves the bench, before device time is spent on it.
 At tree ``9b27589`` it gave 48.6 s for 256:512 and 47.4 s for 256:768, where ``bench.py``
 measured 48.9-50.1 s and 47.8-48.2 s; for 256:512 it plans 1,391 decode and 372 mixed steps,
-where ``trace_generate.py`` counted 1,389 and 376 (+1 prefill) with async planning.
+where ``trace_generate.py`` counted 1,389 and 376 (+1 prefill) with async planning. For
+128:1024 (tree ``2307b1c``) it gave 45.4 s: 1,011 decode steps, 33.9 s, as the trace's 1,011
+(33.3 s), and 37 prompt steps, 11.5 s, where the trace measured 14.3 s; ``bench.py``
+measured 47.7-48.0 s. Its 16,384-token steps are the part to refit.
 """
 
 import argparse

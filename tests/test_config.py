@@ -31,6 +31,15 @@ def test_auto_values_are_resolved_and_the_config_is_frozen(tmp_path):
         config.max_num_seqs = 3
 
 
+def test_the_block_size_defaults_by_backend(tmp_path, monkeypatch):
+    write_config(str(tmp_path), **SMALL)
+    assert Config(str(tmp_path), device="cpu").kvcache_block_size == 128
+    assert Config(str(tmp_path), device="cpu", kvcache_block_size=32).kvcache_block_size == 32
+    # flash-attn's kernels take 256-token blocks at least: "auto" gives it those
+    monkeypatch.setattr(Config, "_resolve_attention_backend", lambda self: "flash_attn")
+    assert Config(str(tmp_path), device="cpu").kvcache_block_size == 256
+
+
 def test_an_fp8_kv_cache_holds_twice_the_tokens_of_a_bf16_one(tmp_path):
     write_config(str(tmp_path), **SMALL)
     bf16 = Config(str(tmp_path), device="cpu", dtype="bfloat16", kv_cache_memory_gb=0.01)
