@@ -8,6 +8,10 @@ bytes read plus bytes written.
 Timed as a decode step runs it: one CUDA graph holds the call for up to ``--layers`` layers,
 each reading a cache of its own (so no layer finds another's K/V in L2), and the time is per
 call. A graph's own launch cost is then spread over its layers, as in the engine.
+
+``--floor`` adds, per case, torch's ``sum`` over a buffer of the same K/V bytes timed the same
+way: one well-tuned read-only launch per layer, the floor a small batch's attention (which
+must also combine its splits) can approach.
 """
 
 import argparse
@@ -72,24 +76,38 @@ def bench_decode(
     return us, splits
 
 
+def read_floor_us(num_bytes: int, rep_ms: int, layers: int) -> float:
+    """Median microseconds per layer of ``sum`` over ``num_bytes`` (a buffer per layer)."""
+    bufs = [torch.empty(num_bytes // 2, dtype=DTYPE, device="cuda").normal_() for _ in range(layers)]
+    return graph_time_us([partial(torch.sum, b, dtype=torch.float32) for b in bufs], rep_ms)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--layers", type=int, default=28, help="layers (caches) per graph, at most")
+    parser.add_argument("--floor", action="store_true", help="also time a sum over the same bytes")
+    parser.add_argument("--batches", default=None, help="comma-separated (default 1,16,256)")
     args = parser.parse_args()
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     rep_ms = 50 if args.quick else 200
     batches = [1, 256] if args.quick else [1, 16, 256]
+    if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
     contexts = [2048, 32768] if args.quick else [512, 2048, 8192, 32768]
     block_sizes = [256] if args.quick else [256, 16]
     dtype_bytes = torch.finfo(cache_dtype).bits // 8
 
     copy_gbs = copy_bandwidth(4 * 2**30, rep_ms)
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
-    print(f"{'batch':>5} {'context':>7} {'block':>5} {'splits':>6} {'time us':>9} {'GB/s':>7} {'% copy':>6}")
+    floor_head = f" {'sum us':>7} {'% copy':>6}" if args.floor else ""
+    print(
+        f"{'batch':>5} {'context':>7} {'block':>5} {'splits':>6} {'time us':>9} {'GB/s':>7} {'% copy':>6}"
+        + floor_head
+    )
     for block_size, batch, context in itertools.product(block_sizes, batches, contexts):
         kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * dtype_bytes
         if kv_bytes > MAX_CACHE_BYTES:
@@ -97,9 +115,13 @@ def main() -> None:
         layers = max(1, min(args.layers, int(MAX_CACHE_BYTES // kv_bytes)))
         us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype, layers)
         gbs = kv_bytes / us / 1e3
+        floor = ""
+        if args.floor:
+            floor_us = read_floor_us(kv_bytes, rep_ms, layers)
+            floor = f" {floor_us:>7.1f} {100 * kv_bytes / floor_us / 1e3 / copy_gbs:>5.0f}%"
         print(
             f"{batch:>5} {context:>7} {block_size:>5} {splits:>6} {us:>9.1f} "
-            f"{gbs:>7.0f} {100 * gbs / copy_gbs:>5.0f}%"
+            f"{gbs:>7.0f} {100 * gbs / copy_gbs:>5.0f}%" + floor
         )
         torch.cuda.empty_cache()
 

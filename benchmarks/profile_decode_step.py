@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python3 benchmarks/profile_decode_step.py [--shape qwen3-8b] [--batch 256] [--context 1024]
 
-With ``--prompt-tokens N`` every timed step is a mixed one: the decodes plus a new N-token
-prompt (a request of one output token, so the batch stays the same size).
+With ``--prompt-tokens N`` every timed step is a mixed one: the decodes plus ``--prompts``
+new N-token prompts (requests of one output token, so the batch stays the same size). The
+8B bench's prompt steps are about ``--batch 512 --context 600 --prompt-tokens 560 --prompts 29``.
 
 Prints wall time per step split into engine parts (schedule, prepare + forward + sample,
 postprocess), the GPU-busy time and the number of kernels per step, and the top CUDA kernels.
@@ -29,7 +30,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--prompt-tokens", type=int, default=0, help="a new prompt in every step")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="new prompts' length, every step")
+    parser.add_argument("--prompts", type=int, default=1, help="new prompts in every step")
     args = parser.parse_args()
     path = tempfile.mkdtemp()
     write_config(path, args.shape)
@@ -41,7 +43,7 @@ def main() -> None:
     rng = random.Random(0)
 
     def schedule() -> ScheduledStep:
-        if args.prompt_tokens:  # random tokens: no prefix-cache hits
+        for _ in range(args.prompts if args.prompt_tokens else 0):  # random tokens: no cache hits
             prompt = [rng.randrange(10000) for _ in range(args.prompt_tokens)]
             llm.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1))
         return sched.schedule()
@@ -71,7 +73,7 @@ def main() -> None:
     end_ev.record()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / args.steps * 1e3
-    kind = f" + a {args.prompt_tokens}-token prompt" if args.prompt_tokens else ""
+    kind = f" + {args.prompts} prompts of {args.prompt_tokens} tokens" if args.prompt_tokens else ""
     print(f"batch {args.batch}{kind}, context ~{args.context}: {wall:.3f} ms/step wall")
     for k, v in parts.items():
         print(f"  {k:12s} {v / args.steps * 1e3:.3f} ms")

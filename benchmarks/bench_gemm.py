@@ -1,0 +1,174 @@
+"""The decoder's four projections at a step's row counts: cuBLAS, cuBLASLt and a plain Triton GEMM.
+
+    PYTHONPATH=. python3 benchmarks/bench_gemm.py [--shape qwen3-8b] [--rows 256,1024,16384] [--triton]
+
+Each case is ``F.linear(x, w)`` (``w``: ``[out, in]``, as the checkpoint stores it) for qkv,
+o, gate_up and down, timed as a CUDA-graph replay over ``--layers`` layers' weights, so no
+layer finds its weights in L2, as in a decode step. Prints microseconds and TFLOP/s per
+projection, and the four together per row of a layer.
+
+``--triton`` also times a Triton GEMM with the tiles below (best per case, and its tile): it
+asks whether a Triton kernel, which could take the RMSNorm before it and SwiGLU or the
+residual add after it, can match cuBLAS at these sizes at all. It is a probe, not the
+engine's code; its output is checked against cuBLAS before it is timed.
+"""
+
+import argparse
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+from nanovllm.demo_models import SHAPES
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+TILES = [
+    (64, 64, 128, 4, 4),
+    (64, 128, 64, 4, 4),
+    (64, 128, 128, 4, 3),
+    (64, 256, 64, 8, 3),
+    (128, 64, 64, 4, 4),
+    (128, 128, 64, 4, 4),
+    (128, 128, 64, 8, 3),
+    (128, 128, 128, 8, 3),
+    (128, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+]
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # out = x @ w.T, all contiguous; K is a multiple of BLOCK_K. Programs walk GROUP_M row
+    # tiles per column tile so that neighbours share weight tiles in L2.
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    rows_in_group = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + offs_m[:, None] * K + offs_k[None, :]
+    w_tile = w_ptr + offs_n[:, None] * K + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        x = tl.load(x_tile, mask=offs_m[:, None] < M, other=0.0)
+        w = tl.load(w_tile, mask=offs_n[:, None] < N, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K
+    out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def triton_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple) -> torch.Tensor:
+    (M, K), N = x.shape, w.shape[0]
+    bm, bn, bk, warps, stages = tile
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _gemm_kernel[grid](
+        x, w, out, M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages
+    )
+    return out
+
+
+def projections(shape: str) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection."""
+    c = SHAPES[shape]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * i), "down": (i, h)}
+
+
+def graph_us(calls: list, rep_ms: int) -> float:
+    """Median microseconds per call of ``calls`` replayed as one CUDA graph."""
+    calls[0]()  # compile and pick algorithms outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return do_bench(graph.replay, rep=rep_ms, return_mode="median") * 1e3 / len(calls)
+
+
+def time_library(library: str, xs, ws, rep_ms: int) -> float:
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        return graph_us([partial(F.linear, x, w) for x, w in zip(xs, ws)], rep_ms)
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
+
+
+def time_triton(xs, ws, rep_ms: int) -> tuple[float, tuple]:
+    """Best microseconds over :data:`TILES` (checked against cuBLAS first), and its tile."""
+    outs = [torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) for x, w in zip(xs, ws)]
+    expected = F.linear(xs[0], ws[0]).float()
+    best = (float("inf"), None)
+    for tile in TILES:
+        if ws[0].shape[1] % tile[2]:
+            continue
+        try:
+            got = triton_linear(xs[0], ws[0], outs[0], tile).float()
+        except triton.runtime.errors.OutOfResources:
+            continue
+        err = (got - expected).abs().max().item() / expected.abs().max().item()
+        if err > 2e-2:
+            raise AssertionError(f"Triton GEMM off by {err:.3g} (relative) with tile {tile}")
+        calls = [partial(triton_linear, x, w, o, tile) for x, w, o in zip(xs, ws, outs)]
+        best = min(best, (graph_us(calls, rep_ms), tile), key=lambda t: t[0])
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--rows", default="16,256,384,512,1024,16384")
+    parser.add_argument("--layers", type=int, default=8, help="layers' weights per graph")
+    parser.add_argument("--libraries", default="cublas,cublaslt")
+    parser.add_argument("--triton", action="store_true", help="also time a plain Triton GEMM")
+    parser.add_argument("--rep-ms", type=int, default=100)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    torch.manual_seed(0)
+    libraries = args.libraries.split(",")
+    dims = projections(args.shape)
+    ws = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(args.layers)]
+          for name, (k, n) in dims.items()}  # fmt: skip
+    print(f"{torch.cuda.get_device_name()}, {args.shape}, {args.layers} layers' weights per graph")
+    for rows in map(int, args.rows.split(",")):
+        totals: dict[str, float] = {}
+        flops = 0
+        for name, (k, n) in dims.items():
+            xs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(args.layers)]
+            flop = 2 * rows * k * n
+            flops += flop
+            cells = []
+            for library in libraries:
+                us = time_library(library, xs, ws[name], args.rep_ms)
+                totals[library] = totals.get(library, 0.0) + us
+                cells.append(f"{library} {us:8.1f} us {flop / us / 1e6:4.0f} TFLOP/s")
+            if args.triton:
+                us, tile = time_triton(xs, ws[name], args.rep_ms)
+                totals["triton"] = totals.get("triton", 0.0) + us
+                cells.append(f"triton {us:8.1f} us {flop / us / 1e6:4.0f} TFLOP/s {tile}")
+            print(f"rows {rows:6d} {name:8s} " + " | ".join(cells), flush=True)
+        summary = ", ".join(
+            f"{lib} {us:.1f} us ({us / rows:.3f} us a row, {flops / us / 1e6:.0f} TFLOP/s)"
+            for lib, us in totals.items()
+        )
+        print(f"rows {rows:6d} all four: {summary}", flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
