@@ -22,11 +22,8 @@ from functools import partial
 import torch
 from triton.testing import do_bench
 
-from nanovllm.kernels.decode_attention import (
-    _num_sms,
-    default_num_splits,
-    paged_decode_attention,
-)
+from nanovllm.kernels.decode_attention import paged_decode_attention
+from nanovllm.kernels.decode_reduce import default_num_splits, num_sms
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B attention
 DTYPE = torch.bfloat16
@@ -72,7 +69,7 @@ def bench_decode(
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     calls = [partial(paged_decode_attention, q, k, v, tables, ctx, HEAD_DIM**-0.5) for k, v in caches]
     us = graph_time_us(calls, rep_ms)
-    splits = default_num_splits(batch, NUM_KV_HEADS, blocks_per_seq, block_size, _num_sms(q.device))
+    splits = default_num_splits(batch, NUM_KV_HEADS, blocks_per_seq, block_size, num_sms(q.device))
     return us, splits
 
 

@@ -4,13 +4,12 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.decode_reduce import combine_splits, default_num_splits, num_sms
+from nanovllm.kernels.qk_norm_rope_store import norm_rope, qk_norm_rope_store_ref
+
 _LOG2E = 1.4426950408889634
 _MIN_ROWS = 16  # tl.dot needs M >= 16: the GQA group is padded up to this
 _SPLIT_ALIGN = 16  # split lengths are rounded up to this many tokens
-_MIN_SPLIT_TOKENS = 64  # default splits never cut a full block table finer than this
-_PROGRAMS_PER_SM = 4  # default split count aims at this many programs per SM
-_REDUCE_CHUNK = 64  # splits combined per reduce step (bounds its registers)
-_REDUCE_BLOCK_D = 32  # head dims per reduce program: more programs, each with a short chain
 # Tiles measured on H200 (bf16, head_dim 128), many layers per graph as in a decode step. One
 # split (a large batch): 64-token tiles, 2 stages, so several programs share an SM and one's
 # start-up hides under another's streaming (3 stages lost end to end on the bench's varied
@@ -50,44 +49,37 @@ def paged_decode_attention_ref(
     return out
 
 
+def paged_decode_attention_with_prologue_ref(
+    q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping,
+    block_tables, context_lens, scale,
+) -> torch.Tensor:  # fmt: skip
+    """Decode rows whose k and v are not stored yet: :func:`qk_norm_rope_store_ref` (same
+    arguments), then :func:`paged_decode_attention_ref`."""
+    norms = (q_weight, k_weight, eps)
+    q, _ = qk_norm_rope_store_ref(q, k, v, positions, cos_sin_cache, *norms, k_cache, v_cache, slot_mapping)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
 # sizes that vary step to step are not specialised on, so they trigger no recompilation
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    context_lens_ptr,
-    order_ptr,
-    out_ptr,
-    lse_ptr,
-    qk_scale,
-    num_splits,
-    stride_qb,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_bt,
-    stride_ob,
-    stride_oh,
-    GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT_ALIGN: tl.constexpr,
-    FINAL: tl.constexpr,
-    HAS_ORDER: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, order_ptr, out_ptr, lse_ptr,
+    # the prologue's inputs (read with PROLOGUE only)
+    k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, slot_mapping_ptr, eps,
+    qk_scale, num_splits,
+    stride_qb, stride_qh, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr, FINAL: tl.constexpr, HAS_ORDER: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
     """One program: all GROUP query heads of one KV head over one split of one sequence.
 
     With FINAL (a single split) it writes the output; otherwise the normalised partial output
     to ``out[seq, head, split]`` (fp32) and its base-2 log-sum-exp to ``lse[seq, head, split]``.
+    With PROLOGUE the newest token's k and v are not in the cache yet: every program norms and
+    rotates q itself, and the program whose split ends the context does the same to the new
+    k, stores k and v and attends to them from registers (no program reads that slot).
     """
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_ORDER:  # programs start in launch order; this one takes the row named here
@@ -104,8 +96,14 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
-    q_offs = seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None], other=0.0)
+    q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
+    if PROLOGUE:
+        cos_sin = cos_sin_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_cs
+        q = norm_rope(q_rows, q_weight_ptr, cos_sin, eps, g_mask[:, None], HAS_NORM, HEAD_DIM)
+        cached_end = tl.minimum(end, ctx - 1)
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+        cached_end = end
     k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
     v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -113,9 +111,9 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for tile in range(start, end, BLOCK_N):
+    for tile in range(start, cached_end, BLOCK_N):
         toks = tile + offs_n
-        t_mask = toks < end
+        t_mask = toks < cached_end
         # Masked lanes never touch the table, so padding entries (-1, garbage) are never used.
         blk = tl.load(bt_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
         row = toks % BLOCK_SIZE
@@ -137,6 +135,26 @@ def _decode_split_kernel(
         ).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if PROLOGUE:
+        if (start < ctx) & (ctx <= end):  # this split ends the context: the new token is here
+            k_row = k_new_ptr + seq * stride_knb + kv_head * stride_knh + tl.zeros([1, 1], tl.int32)
+            one = tl.full([1, 1], 1, tl.int1)
+            k = norm_rope(k_row, k_weight_ptr, cos_sin, eps, one, HAS_NORM, HEAD_DIM)
+            v = tl.load(v_new_ptr + seq * stride_vnb + kv_head * stride_vnh + offs_d[None, :])
+            k, v = k.to(k_cache_ptr.dtype.element_ty), v.to(v_cache_ptr.dtype.element_ty)
+            slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+            if slot >= 0:  # (a padding row stores nothing)
+                blk, row = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+                tl.store(k_base + blk * stride_kb + row * stride_kt, k)
+                tl.store(v_base + blk * stride_vb + row * stride_vt, v)
+            # read back as the cache would give it: at the cache's precision
+            s = tl.sum(q.to(tl.float32) * k.to(q.dtype).to(tl.float32), 1) * qk_scale
+            m_new = tl.maximum(m_i, s)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v.to(q.dtype).to(tl.float32)
+            m_i = m_new
 
     # An empty split has l_i == 0: write zeros and lse = -inf so the reduce gives it no weight.
     nonempty = l_i > 0
@@ -151,61 +169,6 @@ def _decode_split_kernel(
         tl.store(out_ptr + row_offs[:, None] + offs_d[None, :], acc, mask=g_mask[:, None])
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + row_offs // HEAD_DIM, lse, mask=g_mask)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(
-    part_ptr,
-    lse_ptr,
-    out_ptr,
-    num_heads,
-    num_splits,
-    stride_ob,
-    stride_oh,
-    BLOCK_S: tl.constexpr,
-    CHUNK: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Combine the per-split partial outputs of one (sequence, query head), BLOCK_D dims."""
-    head = tl.program_id(0)
-    seq = tl.program_id(1)
-    row0 = (seq * num_heads + head) * num_splits
-    offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(lse_ptr + row0 + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    # Split 0 always holds tokens (context_len >= 1), so the max is finite.
-    m = tl.max(lse, 0)
-    denom = tl.sum(tl.exp2(lse - m), 0)
-    offs_c = tl.arange(0, CHUNK)
-    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    # Partials go through in chunks: one [num_splits, BLOCK_D] tile would spill registers.
-    for chunk in range(0, num_splits, CHUNK):
-        c_mask = chunk + offs_c < num_splits
-        rows = row0 + chunk + offs_c
-        w = tl.exp2(tl.load(lse_ptr + rows, mask=c_mask, other=float("-inf")) - m)
-        part = tl.load(part_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=c_mask[:, None])
-        acc += tl.sum(part * w[:, None], 0)
-    out = (acc / denom).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # CPU interpreter: any small number keeps the split logic exercised
-
-
-def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, num_sms: int) -> int:
-    """Splits per (sequence, KV head) so the grid has ~_PROGRAMS_PER_SM programs per SM.
-
-    Depends on static shapes only (CUDA-graph safe); capped so that a sequence filling the
-    whole block table (``max_blocks * block_size`` tokens) still gives every split at least
-    _MIN_SPLIT_TOKENS tokens. Splits may end mid-block: tokens are gathered one by one.
-    """
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, batch * num_kv_heads)
-    cap = triton.cdiv(max_blocks * block_size, _MIN_SPLIT_TOKENS)
-    return max(1, min(wanted, cap))
 
 
 def paged_decode_attention(
@@ -227,6 +190,28 @@ def paged_decode_attention(
     kernel. No host syncs; the grid depends only on shapes, so it is CUDA-graph safe.
     Needs a power-of-two head_dim >= 16 and ``stride(-1) == 1`` for q and the caches.
     """
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, row_order, None)
+
+
+def paged_decode_attention_with_prologue(
+    q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping,
+    block_tables, context_lens, scale, num_splits=None, row_order=None,
+) -> torch.Tensor:  # fmt: skip
+    """Triton version of :func:`paged_decode_attention_with_prologue_ref`, one launch where
+    :func:`~nanovllm.kernels.qk_norm_rope_store.qk_norm_rope_store` and
+    :func:`paged_decode_attention` take two; q and k are left as they are. k and v need
+    ``stride(-1) == 1``; the caches must be contiguous."""
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v need a unit stride in the last dimension")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin_cache.is_contiguous()):
+        raise ValueError("the caches and cos_sin_cache must be contiguous")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight go together")
+    prologue = (k, v, positions, cos_sin_cache, q_weight, k_weight, slot_mapping, eps)
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, row_order, prologue)
+
+
+def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, row_order, prologue):
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if head_dim < 16 or head_dim & (head_dim - 1):
@@ -238,7 +223,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = default_num_splits(
-            batch, num_kv_heads, block_tables.shape[1], block_size, _num_sms(q.device)
+            batch, num_kv_heads, block_tables.shape[1], block_size, num_sms(q.device)
         )
     elif num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -253,6 +238,20 @@ def paged_decode_attention(
         block_n, num_stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device)
+    if prologue is None:  # any tensors: the kernel reads none of them
+        k, v, positions, cos_sin, q_weight, k_weight, slots, eps = (
+            q,
+            q,
+            context_lens,
+            q,
+            q,
+            q,
+            context_lens,
+            0.0,
+        )
+    else:
+        k, v, positions, cos_sin, q_weight, k_weight, slots, eps = prologue
+    has_norm = prologue is not None and q_weight is not None
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q,
         k_cache,
@@ -262,9 +261,20 @@ def paged_decode_attention(
         row_order if row_order is not None else context_lens,
         part,
         lse,
+        k,
+        v,
+        positions,
+        cos_sin,
+        q_weight if has_norm else cos_sin,
+        k_weight if has_norm else cos_sin,
+        slots,
+        eps,
         scale * _LOG2E,
         num_splits,
         *q.stride()[:2],
+        *k.stride()[:2],
+        *v.stride()[:2],
+        cos_sin.stride(0),
         *k_cache.stride()[:3],
         *v_cache.stride()[:3],
         block_tables.stride(0),
@@ -277,22 +287,12 @@ def paged_decode_attention(
         SPLIT_ALIGN=_SPLIT_ALIGN,
         FINAL=num_splits == 1,
         HAS_ORDER=row_order is not None,
+        PROLOGUE=prologue is not None,
+        HAS_NORM=has_norm,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=_NUM_WARPS,
         num_stages=num_stages,
     )
     if num_splits > 1:
-        block_d = min(head_dim, _REDUCE_BLOCK_D)
-        _decode_reduce_kernel[(num_heads, batch, head_dim // block_d)](
-            part,
-            lse,
-            out,
-            num_heads,
-            num_splits,
-            *out.stride()[:2],
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            CHUNK=min(_REDUCE_CHUNK, triton.next_power_of_2(num_splits)),
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-        )
+        combine_splits(part, lse, out)
     return out
