@@ -9,8 +9,10 @@ projection, and the four together per row of a layer.
 
 ``--triton`` also times a Triton GEMM with the tiles below (best per case, and its tile): it
 asks whether a Triton kernel, which could take the RMSNorm before it and SwiGLU or the
-residual add after it, can match cuBLAS at these sizes at all. It is a probe, not the
-engine's code; its output is checked against cuBLAS before it is timed.
+residual add after it, can match cuBLAS at these sizes at all. A second row for gate_up,
+"gate_up+silu", sets cuBLAS followed by the engine's SwiGLU kernel against the same Triton
+GEMM with SwiGLU in its epilogue (gate and up tiles side by side, half the output written).
+It is a probe, not the engine's code; its output is checked before it is timed.
 """
 
 import argparse
@@ -23,6 +25,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from nanovllm.demo_models import SHAPES
+from nanovllm.kernels.silu_and_mul import silu_and_mul
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
 TILES = [
@@ -43,9 +46,12 @@ TILES = [
 def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):  # fmt: skip
     # out = x @ w.T, all contiguous; K is a multiple of BLOCK_K. Programs walk GROUP_M row
-    # tiles per column tile so that neighbours share weight tiles in L2.
+    # tiles per column tile so that neighbours share weight tiles in L2. With SWIGLU, w holds
+    # 2N rows (gate, then up) and out = silu(x @ gate.T) * (x @ up.T), rounded as the
+    # engine's two kernels round it.
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * tiles_n)
@@ -59,23 +65,34 @@ def _gemm_kernel(
     x_tile = x_ptr + offs_m[:, None] * K + offs_k[None, :]
     w_tile = w_ptr + offs_n[:, None] * K + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, K, BLOCK_K):
         x = tl.load(x_tile, mask=offs_m[:, None] < M, other=0.0)
         w = tl.load(w_tile, mask=offs_n[:, None] < N, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
+        if SWIGLU:
+            up = tl.load(w_tile + N * K, mask=offs_n[:, None] < N, other=0.0)
+            acc_up = tl.dot(x, tl.trans(up), acc_up)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
+    if SWIGLU:
+        dtype = out_ptr.dtype.element_ty
+        gate, up = acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32)
+        acc = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
     out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def triton_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple) -> torch.Tensor:
-    (M, K), N = x.shape, w.shape[0]
+def triton_linear(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple, swiglu: bool = False
+) -> torch.Tensor:
+    (M, K), N = x.shape, out.shape[1]
     bm, bn, bk, warps, stages = tile
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     _gemm_kernel[grid](
-        x, w, out, M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages
-    )
+        x, w, out, M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SWIGLU=swiglu,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     return out
 
 
@@ -98,30 +115,35 @@ def graph_us(calls: list, rep_ms: int) -> float:
     return do_bench(graph.replay, rep=rep_ms, return_mode="median") * 1e3 / len(calls)
 
 
-def time_library(library: str, xs, ws, rep_ms: int) -> float:
+def linear_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul(F.linear(x, w))
+
+
+def time_library(library: str, xs, ws, rep_ms: int, swiglu: bool = False) -> float:
     torch.backends.cuda.preferred_blas_library(library)
     try:
-        return graph_us([partial(F.linear, x, w) for x, w in zip(xs, ws)], rep_ms)
+        return graph_us([partial(linear_silu if swiglu else F.linear, x, w) for x, w in zip(xs, ws)], rep_ms)
     finally:
         torch.backends.cuda.preferred_blas_library("cublas")
 
 
-def time_triton(xs, ws, rep_ms: int) -> tuple[float, tuple]:
+def time_triton(xs, ws, rep_ms: int, swiglu: bool = False) -> tuple[float, tuple]:
     """Best microseconds over :data:`TILES` (checked against cuBLAS first), and its tile."""
-    outs = [torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) for x, w in zip(xs, ws)]
-    expected = F.linear(xs[0], ws[0]).float()
+    n = ws[0].shape[0] // 2 if swiglu else ws[0].shape[0]
+    outs = [torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device) for x in xs]
+    expected = (linear_silu if swiglu else F.linear)(xs[0], ws[0]).float()
     best = (float("inf"), None)
     for tile in TILES:
         if ws[0].shape[1] % tile[2]:
             continue
         try:
-            got = triton_linear(xs[0], ws[0], outs[0], tile).float()
+            got = triton_linear(xs[0], ws[0], outs[0], tile, swiglu).float()
         except triton.runtime.errors.OutOfResources:
             continue
         err = (got - expected).abs().max().item() / expected.abs().max().item()
         if err > 2e-2:
             raise AssertionError(f"Triton GEMM off by {err:.3g} (relative) with tile {tile}")
-        calls = [partial(triton_linear, x, w, o, tile) for x, w, o in zip(xs, ws, outs)]
+        calls = [partial(triton_linear, x, w, o, tile, swiglu) for x, w, o in zip(xs, ws, outs)]
         best = min(best, (graph_us(calls, rep_ms), tile), key=lambda t: t[0])
     return best
 
@@ -162,6 +184,14 @@ def main() -> None:
                 totals["triton"] = totals.get("triton", 0.0) + us
                 cells.append(f"triton {us:8.1f} us {flop / us / 1e6:4.0f} TFLOP/s {tile}")
             print(f"rows {rows:6d} {name:8s} " + " | ".join(cells), flush=True)
+            if name == "gate_up" and args.triton:
+                cells = []
+                for library in libraries:
+                    us = time_library(library, xs, ws[name], args.rep_ms, swiglu=True)
+                    cells.append(f"{library}+silu {us:8.1f} us")
+                us, tile = time_triton(xs, ws[name], args.rep_ms, swiglu=True)
+                cells.append(f"triton swiglu {us:8.1f} us {tile}")
+                print(f"rows {rows:6d} gate_up+silu " + " | ".join(cells), flush=True)
         summary = ", ".join(
             f"{lib} {us:.1f} us ({us / rows:.3f} us a row, {flops / us / 1e6:.0f} TFLOP/s)"
             for lib, us in totals.items()
