@@ -238,19 +238,8 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, 
         block_n, num_stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device)
-    if prologue is None:  # any tensors: the kernel reads none of them
-        k, v, positions, cos_sin, q_weight, k_weight, slots, eps = (
-            q,
-            q,
-            context_lens,
-            q,
-            q,
-            q,
-            context_lens,
-            0.0,
-        )
-    else:
-        k, v, positions, cos_sin, q_weight, k_weight, slots, eps = prologue
+    lens = context_lens  # without a prologue the kernel reads none of these: any tensor will do
+    k, v, positions, cos_sin, q_weight, k_weight, slots, eps = prologue or (q, q, lens, q, q, q, lens, 0.0)
     has_norm = prologue is not None and q_weight is not None
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q,
