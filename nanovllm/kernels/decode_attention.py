@@ -136,25 +136,26 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     if PROLOGUE:
+        # (names apart from the loop's: a tile's k is [BLOCK_N, HEAD_DIM], the new token's [1, ...])
         if (start < ctx) & (ctx <= end):  # this split ends the context: the new token is here
             k_row = k_new_ptr + seq * stride_knb + kv_head * stride_knh + tl.zeros([1, 1], tl.int32)
             one = tl.full([1, 1], 1, tl.int1)
-            k = norm_rope(k_row, k_weight_ptr, cos_sin, eps, one, HAS_NORM, HEAD_DIM)
-            v = tl.load(v_new_ptr + seq * stride_vnb + kv_head * stride_vnh + offs_d[None, :])
-            k, v = k.to(k_cache_ptr.dtype.element_ty), v.to(v_cache_ptr.dtype.element_ty)
+            k_new = norm_rope(k_row, k_weight_ptr, cos_sin, eps, one, HAS_NORM, HEAD_DIM)
+            v_new = tl.load(v_new_ptr + seq * stride_vnb + kv_head * stride_vnh + offs_d[None, :])
+            k_new, v_new = k_new.to(k_cache_ptr.dtype.element_ty), v_new.to(v_cache_ptr.dtype.element_ty)
             slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
             if slot >= 0:  # (a padding row stores nothing)
-                blk, row = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-                tl.store(k_base + blk * stride_kb + row * stride_kt, k)
-                tl.store(v_base + blk * stride_vb + row * stride_vt, v)
+                slot_offs = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
+                tl.store(k_base + slot_offs, k_new)
+                tl.store(v_base + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt, v_new)
             # read back as the cache would give it: at the cache's precision
-            s = tl.sum(q.to(tl.float32) * k.to(q.dtype).to(tl.float32), 1) * qk_scale
-            m_new = tl.maximum(m_i, s)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p[:, None] * v.to(q.dtype).to(tl.float32)
-            m_i = m_new
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(q.dtype).to(tl.float32), 1) * qk_scale
+            m_last = tl.maximum(m_i, s_new)
+            p_new = tl.exp2(s_new - m_last)
+            scale_old = tl.exp2(m_i - m_last)
+            l_i = l_i * scale_old + p_new
+            acc = acc * scale_old[:, None] + p_new[:, None] * v_new.to(q.dtype).to(tl.float32)
+            m_i = m_last
 
     # An empty split has l_i == 0: write zeros and lse = -inf so the reduce gives it no weight.
     nonempty = l_i > 0
