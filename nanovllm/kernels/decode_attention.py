@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.decode_reduce import combine_splits, default_num_splits, num_sms
-from nanovllm.kernels.qk_norm_rope_store import norm_rope, qk_norm_rope_store_ref
+from nanovllm.kernels.qk_norm_rope_store import check_prologue_inputs, norm_rope, qk_norm_rope_store_ref
 
 _LOG2E = 1.4426950408889634
 _MIN_ROWS = 16  # tl.dot needs M >= 16: the GQA group is padded up to this
@@ -200,14 +200,9 @@ def paged_decode_attention_with_prologue(
 ) -> torch.Tensor:  # fmt: skip
     """Triton version of :func:`paged_decode_attention_with_prologue_ref`, one launch where
     :func:`~nanovllm.kernels.qk_norm_rope_store.qk_norm_rope_store` and
-    :func:`paged_decode_attention` take two; q and k are left as they are. k and v need
-    ``stride(-1) == 1``; the caches must be contiguous."""
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("k and v need a unit stride in the last dimension")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin_cache.is_contiguous()):
-        raise ValueError("the caches and cos_sin_cache must be contiguous")
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("q_weight and k_weight go together")
+    :func:`paged_decode_attention` take two; q and k are left as they are. Layouts as both
+    need them (:func:`~nanovllm.kernels.qk_norm_rope_store.check_prologue_inputs`)."""
+    check_prologue_inputs(q, k, v, cos_sin_cache, q_weight, k_weight, k_cache, v_cache)
     prologue = (k, v, positions, cos_sin_cache, q_weight, k_weight, slot_mapping, eps)
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, row_order, prologue)
 

@@ -113,6 +113,19 @@ def _qk_norm_rope_store_kernel(
         tl.store(v_cache_ptr + cache, v.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
 
 
+def check_prologue_inputs(q, k, v, cos_sin_cache, q_weight, k_weight, k_cache, v_cache) -> None:
+    """The layouts :func:`norm_rope` and the KV store need, for every kernel that runs them."""
+    head_dim = q.shape[-1]
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k and v need a unit stride in the last dimension")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin_cache.is_contiguous()):
+        raise ValueError("the caches and cos_sin_cache must be contiguous")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight go together")
+
+
 def qk_norm_rope_store(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -130,14 +143,7 @@ def qk_norm_rope_store(
     may be views into a fused qkv projection, ``stride(-1) == 1``) and returned."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if head_dim < 2 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("q, k and v need a unit stride in the last dimension")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin_cache.is_contiguous()):
-        raise ValueError("the caches and cos_sin_cache must be contiguous")
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("q_weight and k_weight go together")
+    check_prologue_inputs(q, k, v, cos_sin_cache, q_weight, k_weight, k_cache, v_cache)
     if num_tokens == 0:
         return q, k
     has_norm = q_weight is not None
