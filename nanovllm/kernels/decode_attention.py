@@ -145,9 +145,9 @@ def _decode_split_kernel(
             k_new, v_new = k_new.to(k_cache_ptr.dtype.element_ty), v_new.to(v_cache_ptr.dtype.element_ty)
             slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
             if slot >= 0:  # (a padding row stores nothing)
-                slot_offs = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
-                tl.store(k_base + slot_offs, k_new)
-                tl.store(v_base + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt, v_new)
+                slot_blk, slot_row = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+                tl.store(k_base + slot_blk * stride_kb + slot_row * stride_kt, k_new)
+                tl.store(v_base + slot_blk * stride_vb + slot_row * stride_vt, v_new)
             # read back as the cache would give it: at the cache's precision
             s_new = tl.sum(q.to(tl.float32) * k_new.to(q.dtype).to(tl.float32), 1) * qk_scale
             m_last = tl.maximum(m_i, s_new)
@@ -234,8 +234,8 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, 
         block_n, num_stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device)
-    lens = context_lens  # without a prologue the kernel reads none of these: any tensor will do
-    k, v, positions, cos_sin, q_weight, k_weight, slots, eps = prologue or (q, q, lens, q, q, q, lens, 0.0)
+    unread = (q, q, context_lens, q, q, q, context_lens, 0.0)  # without a prologue: any tensors
+    k, v, positions, cos_sin, q_weight, k_weight, slots, eps = prologue or unread
     has_norm = prologue is not None and q_weight is not None
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q,
