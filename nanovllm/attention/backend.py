@@ -131,19 +131,3 @@ class AttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         raise NotImplementedError
-
-    def prepare_and_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        t: QKTransform,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """A decode step's attention from its raw q, k and v: :meth:`prepare`, then
-        :meth:`decode`. A backend may do both in one kernel."""
-        q, _ = self.prepare(q, k, v, k_cache, v_cache, meta.slot_mapping, t)
-        return self.decode(q, k_cache, v_cache, meta, scale)

@@ -4,8 +4,8 @@ import inspect
 
 import torch
 
-from nanovllm.attention.backend import AttentionBackend, AttentionMetadata, QKTransform
-from nanovllm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_with_prologue
+from nanovllm.attention.backend import AttentionBackend, AttentionMetadata
+from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.prefill_attention import paged_prefill_attention
 from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store
 
@@ -60,24 +60,4 @@ class TritonBackend(AttentionBackend):
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, row_order=meta.decode_order
-        )
-
-    def prepare_and_decode(
-        self, q, k, v, k_cache, v_cache, t: QKTransform, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
-        norms = (t.q_norm_weight, t.k_norm_weight, t.eps)
-        return paged_decode_attention_with_prologue(
-            q,
-            k,
-            v,
-            t.positions,
-            t.cos_sin_cache,
-            *norms,
-            k_cache,
-            v_cache,
-            meta.slot_mapping,
-            meta.block_tables,
-            meta.context_lens,
-            scale,
-            row_order=meta.decode_order,
         )

@@ -5,7 +5,6 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.decode_reduce import combine_splits, default_num_splits, num_sms
-from nanovllm.kernels.qk_norm_rope_store import check_prologue_inputs, norm_rope, qk_norm_rope_store_ref
 
 _LOG2E = 1.4426950408889634
 _MIN_ROWS = 16  # tl.dot needs M >= 16: the GQA group is padded up to this
@@ -49,37 +48,20 @@ def paged_decode_attention_ref(
     return out
 
 
-def paged_decode_attention_with_prologue_ref(
-    q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping,
-    block_tables, context_lens, scale,
-) -> torch.Tensor:  # fmt: skip
-    """Decode rows whose k and v are not stored yet: :func:`qk_norm_rope_store_ref` (same
-    arguments), then :func:`paged_decode_attention_ref`."""
-    norms = (q_weight, k_weight, eps)
-    q, _ = qk_norm_rope_store_ref(q, k, v, positions, cos_sin_cache, *norms, k_cache, v_cache, slot_mapping)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
-
-
 # sizes that vary step to step are not specialised on, so they trigger no recompilation
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, order_ptr, out_ptr, lse_ptr,
-    # the prologue's inputs (read with PROLOGUE only)
-    k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, slot_mapping_ptr, eps,
-    qk_scale, num_splits,
-    stride_qb, stride_qh, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
+    qk_scale, num_splits, stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr, FINAL: tl.constexpr, HAS_ORDER: tl.constexpr,
-    PROLOGUE: tl.constexpr, HAS_NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program: all GROUP query heads of one KV head over one split of one sequence.
 
     With FINAL (a single split) it writes the output; otherwise the normalised partial output
     to ``out[seq, head, split]`` (fp32) and its base-2 log-sum-exp to ``lse[seq, head, split]``.
-    With PROLOGUE the newest token's k and v are not in the cache yet: every program norms and
-    rotates q itself, and the program whose split ends the context does the same to the new
-    k, stores k and v and attends to them from registers (no program reads that slot).
     """
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_ORDER:  # programs start in launch order; this one takes the row named here
@@ -96,14 +78,8 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
-    q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
-    if PROLOGUE:
-        cos_sin = cos_sin_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_cs
-        q = norm_rope(q_rows, q_weight_ptr, cos_sin, eps, g_mask[:, None], HAS_NORM, HEAD_DIM)
-        cached_end = tl.minimum(end, ctx - 1)
-    else:
-        q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None], other=0.0)
-        cached_end = end
+    q_offs = seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None], other=0.0)
     k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
     v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -111,9 +87,9 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for tile in range(start, cached_end, BLOCK_N):
+    for tile in range(start, end, BLOCK_N):
         toks = tile + offs_n
-        t_mask = toks < cached_end
+        t_mask = toks < end
         # Masked lanes never touch the table, so padding entries (-1, garbage) are never used.
         blk = tl.load(bt_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
         row = toks % BLOCK_SIZE
@@ -135,27 +111,6 @@ def _decode_split_kernel(
         ).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    if PROLOGUE:
-        # (names apart from the loop's: a tile's k is [BLOCK_N, HEAD_DIM], the new token's [1, ...])
-        if (start < ctx) & (ctx <= end):  # this split ends the context: the new token is here
-            k_row = k_new_ptr + seq * stride_knb + kv_head * stride_knh + tl.zeros([1, 1], tl.int32)
-            one = tl.full([1, 1], 1, tl.int1)
-            k_new = norm_rope(k_row, k_weight_ptr, cos_sin, eps, one, HAS_NORM, HEAD_DIM)
-            v_new = tl.load(v_new_ptr + seq * stride_vnb + kv_head * stride_vnh + offs_d[None, :])
-            k_new, v_new = k_new.to(k_cache_ptr.dtype.element_ty), v_new.to(v_cache_ptr.dtype.element_ty)
-            slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
-            if slot >= 0:  # (a padding row stores nothing)
-                slot_blk, slot_row = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-                tl.store(k_base + slot_blk * stride_kb + slot_row * stride_kt, k_new)
-                tl.store(v_base + slot_blk * stride_vb + slot_row * stride_vt, v_new)
-            # read back as the cache would give it: at the cache's precision
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(q.dtype).to(tl.float32), 1) * qk_scale
-            m_last = tl.maximum(m_i, s_new)
-            p_new = tl.exp2(s_new - m_last)
-            scale_old = tl.exp2(m_i - m_last)
-            l_i = l_i * scale_old + p_new
-            acc = acc * scale_old[:, None] + p_new[:, None] * v_new.to(q.dtype).to(tl.float32)
-            m_i = m_last
 
     # An empty split has l_i == 0: write zeros and lse = -inf so the reduce gives it no weight.
     nonempty = l_i > 0
@@ -191,23 +146,6 @@ def paged_decode_attention(
     kernel. No host syncs; the grid depends only on shapes, so it is CUDA-graph safe.
     Needs a power-of-two head_dim >= 16 and ``stride(-1) == 1`` for q and the caches.
     """
-    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, row_order, None)
-
-
-def paged_decode_attention_with_prologue(
-    q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, slot_mapping,
-    block_tables, context_lens, scale, num_splits=None, row_order=None,
-) -> torch.Tensor:  # fmt: skip
-    """Triton version of :func:`paged_decode_attention_with_prologue_ref`, one launch where
-    :func:`~nanovllm.kernels.qk_norm_rope_store.qk_norm_rope_store` and
-    :func:`paged_decode_attention` take two; q and k are left as they are. Layouts as both
-    need them (:func:`~nanovllm.kernels.qk_norm_rope_store.check_prologue_inputs`)."""
-    check_prologue_inputs(q, k, v, cos_sin_cache, q_weight, k_weight, k_cache, v_cache)
-    prologue = (k, v, positions, cos_sin_cache, q_weight, k_weight, slot_mapping, eps)
-    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, row_order, prologue)
-
-
-def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, row_order, prologue):
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if head_dim < 16 or head_dim & (head_dim - 1):
@@ -234,9 +172,6 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, 
         block_n, num_stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device)
-    unread = (q, q, context_lens, q, q, q, context_lens, 0.0)  # without a prologue: any tensors
-    k, v, positions, cos_sin, q_weight, k_weight, slots, eps = prologue or unread
-    has_norm = prologue is not None and q_weight is not None
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q,
         k_cache,
@@ -246,20 +181,9 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, 
         row_order if row_order is not None else context_lens,
         part,
         lse,
-        k,
-        v,
-        positions,
-        cos_sin,
-        q_weight if has_norm else cos_sin,
-        k_weight if has_norm else cos_sin,
-        slots,
-        eps,
         scale * _LOG2E,
         num_splits,
         *q.stride()[:2],
-        *k.stride()[:2],
-        *v.stride()[:2],
-        cos_sin.stride(0),
         *k_cache.stride()[:3],
         *v_cache.stride()[:3],
         block_tables.stride(0),
@@ -272,8 +196,6 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, 
         SPLIT_ALIGN=_SPLIT_ALIGN,
         FINAL=num_splits == 1,
         HAS_ORDER=row_order is not None,
-        PROLOGUE=prologue is not None,
-        HAS_NORM=has_norm,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=_NUM_WARPS,
         num_stages=num_stages,

@@ -44,24 +44,24 @@ def qk_norm_rope_store_ref(
 
 
 @triton.jit
-def norm_rope(x_rows, w_ptr, cos_sin_row, eps, mask, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Rows ``[rows, HEAD_DIM]`` at ``x_rows`` (a pointer per row, ``[rows, 1]``), normed when
-    HAS_NORM and rotated by the cos/sin row at ``cos_sin_row``, in x's dtype. The other half of
-    each row is read as a second tile, so no values move between lanes."""
-    offs = tl.arange(0, HEAD_DIM)[None, :]
-    half = offs % (HEAD_DIM // 2)
-    rotated = (offs + HEAD_DIM // 2) % HEAD_DIM
-    x = tl.load(x_rows + offs, mask=mask, other=0.0)
-    xr = tl.load(x_rows + rotated, mask=mask, other=0.0)
-    dtype = x.dtype
-    x, xr = x.to(tl.float32), xr.to(tl.float32)
-    if HAS_NORM:  # rounded as the reference rounds: to dtype, times the weight, to dtype
-        rstd = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-        w, wr = tl.load(w_ptr + offs).to(tl.float32), tl.load(w_ptr + rotated).to(tl.float32)
-        x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-        xr = ((xr * rstd).to(dtype).to(tl.float32) * wr).to(dtype).to(tl.float32)
-    cos, sin = tl.load(cos_sin_row + half), tl.load(cos_sin_row + HEAD_DIM // 2 + half)
-    return (x * cos + tl.where(offs < HEAD_DIM // 2, -xr, xr) * sin).to(dtype)
+def _norm_rope(x_ptr, w_ptr, cos, sin, eps, mask, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
+    """Load ``[heads, 2 * HALF]`` at x_ptr (halves as two tiles), norm, rotate, store back."""
+    offs = tl.arange(0, HALF)[None, :]
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    x2 = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + offs).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs).to(tl.float32)
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    o1 = (x1 * cos - x2 * sin).to(dtype)
+    o2 = (x2 * cos + x1 * sin).to(dtype)
+    tl.store(x_ptr + offs, o1, mask=mask)
+    tl.store(x_ptr + HALF + offs, o2, mask=mask)
+    return o1, o2
 
 
 @triton.jit
@@ -88,42 +88,33 @@ def _qk_norm_rope_store_kernel(
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
     """One program per token: all its q heads and kv heads."""
     token = tl.program_id(0)
-    cos_sin = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * stride_cs
-    offs = tl.arange(0, HEAD_DIM)[None, :]
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs)
     hq = tl.arange(0, BLOCK_HQ)[:, None]
-    q_rows = q_ptr + token * stride_qt + hq * stride_qh
-    q = norm_rope(q_rows, q_weight_ptr, cos_sin, eps, hq < NUM_HEADS, HAS_NORM, HEAD_DIM)
-    tl.store(q_rows + offs, q, mask=hq < NUM_HEADS)
+    q_row = q_ptr + token * stride_qt + hq * stride_qh
+    _norm_rope(q_row, q_weight_ptr, cos, sin, eps, hq < NUM_HEADS, HAS_NORM, HALF)
     hk = tl.arange(0, BLOCK_HK)[:, None]
     k_mask = hk < NUM_KV_HEADS
-    k_rows = k_ptr + token * stride_kt + hk * stride_kh
-    k = norm_rope(k_rows, k_weight_ptr, cos_sin, eps, k_mask, HAS_NORM, HEAD_DIM)
-    tl.store(k_rows + offs, k, mask=k_mask)
+    k_row = k_ptr + token * stride_kt + hk * stride_kh
+    k1, k2 = _norm_rope(k_row, k_weight_ptr, cos, sin, eps, k_mask, HAS_NORM, HALF)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
         # int64 slot: the flat cache index can exceed 2**31 elements
-        cache = slot * (NUM_KV_HEADS * HEAD_DIM) + hk * HEAD_DIM + offs
-        tl.store(k_cache_ptr + cache, k.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
-        v = tl.load(v_ptr + token * stride_vt + hk * stride_vh + offs, mask=k_mask)
-        tl.store(v_cache_ptr + cache, v.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
-
-
-def check_prologue_inputs(q, k, v, cos_sin_cache, q_weight, k_weight, k_cache, v_cache) -> None:
-    """The layouts :func:`norm_rope` and the KV store need, for every kernel that runs them."""
-    head_dim = q.shape[-1]
-    if head_dim < 2 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("q, k and v need a unit stride in the last dimension")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin_cache.is_contiguous()):
-        raise ValueError("the caches and cos_sin_cache must be contiguous")
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("q_weight and k_weight go together")
+        cache = slot * (NUM_KV_HEADS * 2 * HALF) + hk * (2 * HALF) + offs
+        tl.store(k_cache_ptr + cache, k1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+        tl.store(k_cache_ptr + cache + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+        v_row = v_ptr + token * stride_vt + hk * stride_vh + offs
+        v1 = tl.load(v_row, mask=k_mask)
+        v2 = tl.load(v_row + HALF, mask=k_mask)
+        tl.store(v_cache_ptr + cache, v1.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
+        tl.store(v_cache_ptr + cache + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
 
 
 def qk_norm_rope_store(
@@ -143,7 +134,14 @@ def qk_norm_rope_store(
     may be views into a fused qkv projection, ``stride(-1) == 1``) and returned."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    check_prologue_inputs(q, k, v, cos_sin_cache, q_weight, k_weight, k_cache, v_cache)
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k and v need a unit stride in the last dimension")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin_cache.is_contiguous()):
+        raise ValueError("the caches and cos_sin_cache must be contiguous")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight go together")
     if num_tokens == 0:
         return q, k
     has_norm = q_weight is not None
@@ -170,7 +168,7 @@ def qk_norm_rope_store(
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim,
+        HALF=head_dim // 2,
         HAS_NORM=has_norm,
     )
     return q, k

@@ -33,11 +33,9 @@ class Attention(nn.Module):
         """q: ``[tokens, heads, head_dim]``; k, v: ``[tokens, kv_heads, head_dim]``, before
         ``transform`` (q and k may be rewritten in place)."""
         backend = self.backend
-        if not meta.is_prefill:
-            return backend.prepare_and_decode(
-                q, k, v, self.k_cache, self.v_cache, transform, meta, self.scale
-            )
         q, k = backend.prepare(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, transform)
+        if not meta.is_prefill:
+            return backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)
         d = meta.num_decode_tokens
         if not d:
             return backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
