@@ -227,15 +227,16 @@ def test_decode_matches_prefill_q_len_1() -> None:
     torch.testing.assert_close(out, dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, 2))
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_float8_cache_is_read_at_scale_1(dtype) -> None:
+def test_float8_cache_is_read_at_scale_1(dtype, num_splits) -> None:
     """Decode and prefill over a float8 (e4m3) cache equal the references, which read it at
     scale 1: the kernels dequantise K/V exactly as the references do."""
     lens = [1, 16, 33, 70]
     k_cache, v_cache, tables, ctx = make_cache(lens, 16, 2, 64, dtype)
     k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
     q = make_q(len(lens), 8, 2, 64, dtype)
-    out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, 2)
+    out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, num_splits)
     check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.125), dtype)
     q_lens = [1, 5, 33, 20]
     q = make_q(sum(q_lens), 8, 2, 64, dtype)
