@@ -105,14 +105,14 @@ def main() -> None:
     gemm = timed_ms(lambda: gemms(weights, xs))
     total_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{args.rows} rows x {args.context} tokens, {args.layers} layers, {total_sms} SMs")
-    print(f"all SMs: attention {attn:.2f} ms ({kv_bytes / attn / 1e9:.0f} GB/s), GEMMs {gemm:.2f} ms,")
+    print(f"all SMs: attention {attn:.2f} ms ({kv_bytes / attn / 1e6:.0f} GB/s), GEMMs {gemm:.2f} ms,")
     print(f"one after the other {attn + gemm:.2f} ms")
     for n in map(int, args.sms.split(",")):
         green = GreenContext.create(n, 0)
         alone = timed_ms(partial(attention_in, green, caches, tables, ctx, q))
         both = timed_ms(partial(side_by_side, green, caches, tables, ctx, q, weights, xs))
         print(
-            f"attention on {n:3d} SMs: {alone:.2f} ms alone ({kv_bytes / alone / 1e9:.0f} GB/s); "
+            f"attention on {n:3d} SMs: {alone:.2f} ms alone ({kv_bytes / alone / 1e6:.0f} GB/s); "
             f"beside the GEMMs {both:.2f} ms, {(attn + gemm) / both:.2f}x one after the other"
         )
 
