@@ -1,6 +1,6 @@
 """The decoder's four projections at a step's row counts: cuBLAS, cuBLASLt and a plain Triton GEMM.
 
-    PYTHONPATH=. python3 benchmarks/bench_gemm.py [--shape qwen3-8b] [--rows 256,1024,16384] [--triton]
+    PYTHONPATH=. python3 benchmarks/bench_gemm.py [--shape qwen3-8b] [--rows 256,1024] [--triton] [--tma]
 
 Each case is ``F.linear(x, w)`` (``w``: ``[out, in]``, as the checkpoint stores it) for qkv,
 o, gate_up and down, timed as a CUDA-graph replay over ``--layers`` layers' weights, so no
@@ -12,7 +12,8 @@ asks whether a Triton kernel, which could take the RMSNorm before it and SwiGLU 
 residual add after it, can match cuBLAS at these sizes at all. A second row for gate_up,
 "gate_up+silu", sets cuBLAS followed by the engine's SwiGLU kernel against the same Triton
 GEMM with SwiGLU in its epilogue (gate and up tiles side by side, half the output written).
-It is a probe, not the engine's code; its output is checked before it is timed.
+It is a probe, not the engine's code; its output is checked before it is timed. ``--tma``
+does the same for the persistent, tensor-descriptor GEMM of ``tma_gemm.py``.
 """
 
 import argparse
@@ -127,23 +128,29 @@ def time_library(library: str, xs, ws, rep_ms: int, swiglu: bool = False) -> flo
         torch.backends.cuda.preferred_blas_library("cublas")
 
 
-def time_triton(xs, ws, rep_ms: int, swiglu: bool = False) -> tuple[float, tuple]:
-    """Best microseconds over :data:`TILES` (checked against cuBLAS first), and its tile."""
+def time_triton(
+    xs, ws, rep_ms: int, swiglu: bool = False, linear=triton_linear, tiles=TILES
+) -> tuple[float, tuple]:
+    """Best microseconds of ``linear`` over ``tiles`` (each checked against cuBLAS first), and
+    its tile; a tile that does not compile here is skipped with a note."""
     n = ws[0].shape[0] // 2 if swiglu else ws[0].shape[0]
     outs = [torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device) for x in xs]
     expected = (linear_silu if swiglu else F.linear)(xs[0], ws[0]).float()
     best = (float("inf"), None)
-    for tile in TILES:
+    for tile in tiles:
         if ws[0].shape[1] % tile[2]:
             continue
         try:
-            got = triton_linear(xs[0], ws[0], outs[0], tile, swiglu).float()
+            got = linear(xs[0], ws[0], outs[0], tile, swiglu).float()
         except triton.runtime.errors.OutOfResources:
+            continue
+        except (triton.compiler.errors.CompilationError, RuntimeError) as e:
+            print(f"  tile {tile} does not compile: {str(e).splitlines()[-1]}")
             continue
         err = (got - expected).abs().max().item() / expected.abs().max().item()
         if err > 2e-2:
             raise AssertionError(f"Triton GEMM off by {err:.3g} (relative) with tile {tile}")
-        calls = [partial(triton_linear, x, w, o, tile, swiglu) for x, w, o in zip(xs, ws, outs)]
+        calls = [partial(linear, x, w, o, tile, swiglu) for x, w, o in zip(xs, ws, outs)]
         best = min(best, (graph_us(calls, rep_ms), tile), key=lambda t: t[0])
     return best
 
@@ -157,12 +164,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="layers' weights per graph")
     parser.add_argument("--libraries", default="cublas,cublaslt")
     parser.add_argument("--triton", action="store_true", help="also time a plain Triton GEMM")
+    parser.add_argument("--tma", action="store_true", help="also time a persistent TMA Triton GEMM")
     parser.add_argument("--rep-ms", type=int, default=100)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     torch.manual_seed(0)
     libraries = args.libraries.split(",")
+    kernels = [("triton", triton_linear, TILES)] if args.triton else []
+    if args.tma:
+        from tma_gemm import TMA_TILES, tma_linear  # beside this file
+
+        kernels.append(("tma", tma_linear, TMA_TILES))
     dims = projections(args.shape)
     ws = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(args.layers)]
           for name, (k, n) in dims.items()}  # fmt: skip
@@ -179,18 +192,19 @@ def main() -> None:
                 us = time_library(library, xs, ws[name], args.rep_ms)
                 totals[library] = totals.get(library, 0.0) + us
                 cells.append(f"{library} {us:8.1f} us {flop / us / 1e6:4.0f} TFLOP/s")
-            if args.triton:
-                us, tile = time_triton(xs, ws[name], args.rep_ms)
-                totals["triton"] = totals.get("triton", 0.0) + us
-                cells.append(f"triton {us:8.1f} us {flop / us / 1e6:4.0f} TFLOP/s {tile}")
+            for kind, linear, tiles in kernels:
+                us, tile = time_triton(xs, ws[name], args.rep_ms, linear=linear, tiles=tiles)
+                totals[kind] = totals.get(kind, 0.0) + us
+                cells.append(f"{kind} {us:8.1f} us {flop / us / 1e6:4.0f} TFLOP/s {tile}")
             print(f"rows {rows:6d} {name:8s} " + " | ".join(cells), flush=True)
-            if name == "gate_up" and args.triton:
+            if name == "gate_up" and kernels:
                 cells = []
                 for library in libraries:
                     us = time_library(library, xs, ws[name], args.rep_ms, swiglu=True)
                     cells.append(f"{library}+silu {us:8.1f} us")
-                us, tile = time_triton(xs, ws[name], args.rep_ms, swiglu=True)
-                cells.append(f"triton swiglu {us:8.1f} us {tile}")
+                for kind, linear, tiles in kernels:
+                    us, tile = time_triton(xs, ws[name], args.rep_ms, swiglu=True, linear=linear, tiles=tiles)
+                    cells.append(f"{kind} swiglu {us:8.1f} us {tile}")
                 print(f"rows {rows:6d} gate_up+silu " + " | ".join(cells), flush=True)
         summary = ", ".join(
             f"{lib} {us:.1f} us ({us / rows:.3f} us a row, {flops / us / 1e6:.0f} TFLOP/s)"
