@@ -22,6 +22,7 @@ from functools import partial
 import torch
 from triton.testing import do_bench
 
+import nanovllm.kernels.decode_attention as decode_kernels
 from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.decode_reduce import default_num_splits, num_sms
 
@@ -86,7 +87,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28, help="layers (caches) per graph, at most")
     parser.add_argument("--floor", action="store_true", help="also time a sum over the same bytes")
     parser.add_argument("--batches", default=None, help="comma-separated (default 1,16,256)")
+    parser.add_argument("--heads", default="16/8", help="query/KV heads (Qwen3-8B: 32/8)")
+    parser.add_argument(
+        "--loop-stages", default="none", help="comma-separated tile-loop pipelining depths to compare"
+    )
     args = parser.parse_args()
+    global NUM_HEADS, NUM_KV_HEADS
+    NUM_HEADS, NUM_KV_HEADS = map(int, args.heads.split("/"))
+    loop_stages = [None if st == "none" else int(st) for st in args.loop_stages.split(",")]
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -100,6 +108,7 @@ def main() -> None:
 
     copy_gbs = copy_bandwidth(4 * 2**30, rep_ms)
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
+    print(f"{NUM_HEADS}/{NUM_KV_HEADS} heads; loop stages {loop_stages[0]}, then {loop_stages[1:]}")
     floor_head = f" {'sum us':>7} {'% copy':>6}" if args.floor else ""
     print(
         f"{'batch':>5} {'context':>7} {'block':>5} {'splits':>6} {'time us':>9} {'GB/s':>7} {'% copy':>6}"
@@ -110,15 +119,24 @@ def main() -> None:
         if kv_bytes > MAX_CACHE_BYTES:
             continue
         layers = max(1, min(args.layers, int(MAX_CACHE_BYTES // kv_bytes)))
-        us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype, layers)
+        times = []
+        for stages in loop_stages:
+            decode_kernels._LOOP_STAGES = stages
+            us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype, layers)
+            times.append(us)
+        us = times[0]
         gbs = kv_bytes / us / 1e3
         floor = ""
         if args.floor:
             floor_us = read_floor_us(kv_bytes, rep_ms, layers)
             floor = f" {floor_us:>7.1f} {100 * kv_bytes / floor_us / 1e3 / copy_gbs:>5.0f}%"
+        others = "".join(
+            f" | {st}: {t:.1f} us {100 * kv_bytes / t / 1e3 / copy_gbs:.0f}%"
+            for st, t in zip(loop_stages[1:], times[1:])
+        )
         print(
             f"{batch:>5} {context:>7} {block_size:>5} {splits:>6} {us:>9.1f} "
-            f"{gbs:>7.0f} {100 * gbs / copy_gbs:>5.0f}%" + floor
+            f"{gbs:>7.0f} {100 * gbs / copy_gbs:>5.0f}%" + floor + others
         )
         torch.cuda.empty_cache()
 

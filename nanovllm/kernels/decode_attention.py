@@ -18,6 +18,9 @@ _SPLIT_ALIGN = 16  # split lengths are rounded up to this many tokens
 _FINAL_TILE_BYTES, _FINAL_STAGES = 16 * 1024, 2
 _SPLIT_BLOCK_N, _SPLIT_STAGES = 32, 2
 _NUM_WARPS = 4
+# The launch's num_stages leaves these gathered K/V loads unpipelined (no async copies in the
+# compiled loop); tl.range's num_stages pipelines them. None keeps the loop as written.
+_LOOP_STAGES: int | None = None
 
 
 def paged_decode_attention_ref(
@@ -58,7 +61,7 @@ def _decode_split_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr, FINAL: tl.constexpr, HAS_ORDER: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):  # fmt: skip
     """One program: all GROUP query heads of one KV head over one split of one sequence.
 
@@ -91,7 +94,7 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for tile in range(start, end, BLOCK_N):
+    for tile in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
         toks = tile + offs_n
         t_mask = toks < end
         # Masked lanes never touch the table, so padding entries (-1, garbage) are never used.
@@ -202,6 +205,7 @@ def paged_decode_attention(
         HAS_ORDER=row_order is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         F16_DOT=num_splits == 1 and k_cache.element_size() == 1 and q.dtype == torch.bfloat16,
+        LOOP_STAGES=_LOOP_STAGES,
         num_warps=_NUM_WARPS,
         num_stages=num_stages,
     )
