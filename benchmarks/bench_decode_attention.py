@@ -12,6 +12,9 @@ call. A graph's own launch cost is then spread over its layers, as in the engine
 ``--floor`` adds, per case, torch's ``sum`` over a buffer of the same K/V bytes timed the same
 way: one well-tuned read-only launch per layer, the floor a small batch's attention (which
 must also combine its splits) can approach.
+
+``--loop-stages none,2,3`` and ``--pdl off,on`` time each combination of the kernel's tunables
+(tile-loop pipelining depth, programmatic dependent launch) per case, first one in the table.
 """
 
 import argparse
@@ -91,10 +94,12 @@ def main() -> None:
     parser.add_argument(
         "--loop-stages", default="none", help="comma-separated tile-loop pipelining depths to compare"
     )
+    parser.add_argument("--pdl", default="off", help="off, on or off,on: programmatic dependent launch")
     args = parser.parse_args()
     global NUM_HEADS, NUM_KV_HEADS
     NUM_HEADS, NUM_KV_HEADS = map(int, args.heads.split("/"))
     loop_stages = [None if st == "none" else int(st) for st in args.loop_stages.split(",")]
+    settings = list(itertools.product(loop_stages, [p == "on" for p in args.pdl.split(",")]))
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -108,7 +113,8 @@ def main() -> None:
 
     copy_gbs = copy_bandwidth(4 * 2**30, rep_ms)
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
-    print(f"{NUM_HEADS}/{NUM_KV_HEADS} heads; loop stages {loop_stages[0]}, then {loop_stages[1:]}")
+    names = [f"stages {st}{', pdl' if pdl else ''}" for st, pdl in settings]
+    print(f"{NUM_HEADS}/{NUM_KV_HEADS} heads; {names[0]}, then: {', '.join(names[1:]) or '-'}")
     floor_head = f" {'sum us':>7} {'% copy':>6}" if args.floor else ""
     print(
         f"{'batch':>5} {'context':>7} {'block':>5} {'splits':>6} {'time us':>9} {'GB/s':>7} {'% copy':>6}"
@@ -120,8 +126,8 @@ def main() -> None:
             continue
         layers = max(1, min(args.layers, int(MAX_CACHE_BYTES // kv_bytes)))
         times = []
-        for stages in loop_stages:
-            decode_kernels._LOOP_STAGES = stages
+        for stages, pdl in settings:
+            decode_kernels._LOOP_STAGES, decode_kernels._PDL = stages, pdl
             us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype, layers)
             times.append(us)
         us = times[0]
@@ -131,8 +137,8 @@ def main() -> None:
             floor_us = read_floor_us(kv_bytes, rep_ms, layers)
             floor = f" {floor_us:>7.1f} {100 * kv_bytes / floor_us / 1e3 / copy_gbs:>5.0f}%"
         others = "".join(
-            f" | {st}: {t:.1f} us {100 * kv_bytes / t / 1e3 / copy_gbs:.0f}%"
-            for st, t in zip(loop_stages[1:], times[1:])
+            f" | {name}: {t:.1f} us {100 * kv_bytes / t / 1e3 / copy_gbs:.0f}%"
+            for name, t in zip(names[1:], times[1:])
         )
         print(
             f"{batch:>5} {context:>7} {block_size:>5} {splits:>6} {us:>9.1f} "

@@ -21,6 +21,9 @@ _NUM_WARPS = 4
 # The launch's num_stages leaves these gathered K/V loads unpipelined (no async copies in the
 # compiled loop); tl.range's num_stages pipelines them. None keeps the loop as written.
 _LOOP_STAGES: int | None = None
+# Programmatic dependent launch (sm_90+): the split and reduce kernels launch while their
+# predecessor finishes and wait for it before reading anything, hiding launch gaps.
+_PDL = False
 
 
 def paged_decode_attention_ref(
@@ -61,13 +64,16 @@ def _decode_split_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr, FINAL: tl.constexpr, HAS_ORDER: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr, LOOP_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program: all GROUP query heads of one KV head over one split of one sequence.
 
     With FINAL (a single split) it writes the output; otherwise the normalised partial output
     to ``out[seq, head, split]`` (fp32) and its base-2 log-sum-exp to ``lse[seq, head, split]``.
     """
+    if PDL:  # everything before this kernel is done from here on; let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_ORDER:  # programs start in launch order; this one takes the row named here
         ordered = tl.load(order_ptr + seq)
@@ -179,6 +185,7 @@ def paged_decode_attention(
         block_n, num_stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device)
+    pdl = _PDL and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q,
         k_cache,
@@ -206,9 +213,11 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         F16_DOT=num_splits == 1 and k_cache.element_size() == 1 and q.dtype == torch.bfloat16,
         LOOP_STAGES=_LOOP_STAGES,
+        PDL=pdl,
         num_warps=_NUM_WARPS,
         num_stages=num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     if num_splits > 1:
-        combine_splits(part, lse, out)
+        combine_splits(part, lse, out, pdl)
     return out
