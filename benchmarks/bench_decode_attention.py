@@ -13,8 +13,9 @@ call. A graph's own launch cost is then spread over its layers, as in the engine
 way: one well-tuned read-only launch per layer, the floor a small batch's attention (which
 must also combine its splits) can approach.
 
-``--loop-stages none,2,3`` and ``--pdl off,on`` time each combination of the kernel's tunables
-(tile-loop pipelining depth, programmatic dependent launch) per case, first one in the table.
+``--loop-stages none,2,3``, ``--pdl off,on`` and ``--k-first off,on`` time each combination of
+the kernel's tunables (tile-loop pipelining depth, programmatic dependent launch, K as the
+score dot's first operand) per case, the first one in the table.
 """
 
 import argparse
@@ -95,11 +96,13 @@ def main() -> None:
         "--loop-stages", default="none", help="comma-separated tile-loop pipelining depths to compare"
     )
     parser.add_argument("--pdl", default="off", help="off, on or off,on: programmatic dependent launch")
+    parser.add_argument("--k-first", default="off", help="off, on or off,on: K as the dot's first operand")
     args = parser.parse_args()
     global NUM_HEADS, NUM_KV_HEADS
     NUM_HEADS, NUM_KV_HEADS = map(int, args.heads.split("/"))
     loop_stages = [None if st == "none" else int(st) for st in args.loop_stages.split(",")]
-    settings = list(itertools.product(loop_stages, [p == "on" for p in args.pdl.split(",")]))
+    switches = [[v == "on" for v in arg.split(",")] for arg in (args.pdl, args.k_first)]
+    settings = list(itertools.product(loop_stages, *switches))
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -113,7 +116,7 @@ def main() -> None:
 
     copy_gbs = copy_bandwidth(4 * 2**30, rep_ms)
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
-    names = [f"stages {st}{', pdl' if pdl else ''}" for st, pdl in settings]
+    names = [f"stages {st}{', pdl' * pdl}{', k first' * k_first}" for st, pdl, k_first in settings]
     print(f"{NUM_HEADS}/{NUM_KV_HEADS} heads; {names[0]}, then: {', '.join(names[1:]) or '-'}")
     floor_head = f" {'sum us':>7} {'% copy':>6}" if args.floor else ""
     print(
@@ -126,8 +129,8 @@ def main() -> None:
             continue
         layers = max(1, min(args.layers, int(MAX_CACHE_BYTES // kv_bytes)))
         times = []
-        for stages, pdl in settings:
-            decode_kernels._LOOP_STAGES, decode_kernels._PDL = stages, pdl
+        for stages, pdl, k_first in settings:
+            decode_kernels._LOOP_STAGES, decode_kernels._PDL, decode_kernels._K_FIRST = stages, pdl, k_first
             us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype, layers)
             times.append(us)
         us = times[0]

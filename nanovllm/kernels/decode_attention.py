@@ -24,6 +24,9 @@ _LOOP_STAGES: int | None = None
 # Programmatic dependent launch (sm_90+): the split and reduce kernels launch while their
 # predecessor finishes and wait for it before reading anything, hiding launch gaps.
 _PDL = False
+# K as the score dot's first operand (s = (k @ q^T)^T): a float8 K tile then widens in the dot
+# operand's layout, as V does, instead of round-tripping through shared memory for tl.trans.
+_K_FIRST = False
 
 
 def paged_decode_attention_ref(
@@ -65,6 +68,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr, FINAL: tl.constexpr, HAS_ORDER: tl.constexpr,
     DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr, LOOP_STAGES: tl.constexpr, PDL: tl.constexpr,
+    K_FIRST: tl.constexpr,
 ):  # fmt: skip
     """One program: all GROUP query heads of one KV head over one split of one sequence.
 
@@ -100,6 +104,8 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    if K_FIRST:
+        q_t = tl.trans(q)
     for tile in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
         toks = tile + offs_n
         t_mask = toks < end
@@ -111,7 +117,10 @@ def _decode_split_kernel(
             mask=t_mask[:, None],
             other=0.0,
         ).to(q.dtype)  # a float8 cache holds K/V at scale 1
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if K_FIRST:
+            s = tl.trans(tl.dot(k, q_t, input_precision=DOT_PRECISION)) * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -214,6 +223,7 @@ def paged_decode_attention(
         F16_DOT=num_splits == 1 and k_cache.element_size() == 1 and q.dtype == torch.bfloat16,
         LOOP_STAGES=_LOOP_STAGES,
         PDL=pdl,
+        K_FIRST=_K_FIRST,
         num_warps=_NUM_WARPS,
         num_stages=num_stages,
         **({"launch_pdl": True} if pdl else {}),
