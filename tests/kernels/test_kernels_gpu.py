@@ -88,10 +88,13 @@ def test_decode_forced_splits(num_splits: int) -> None:
     check(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.1))
 
 
+@pytest.mark.parametrize("k_first", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (32, 8)])
-def test_decode_float8_cache(num_heads: int, num_kv_heads: int, num_splits: int) -> None:
-    """bf16 queries over an e4m3 cache (the path that computes in fp16) match the reference."""
+def test_decode_float8_cache(num_heads, num_kv_heads, num_splits, k_first, monkeypatch) -> None:
+    """bf16 queries over an e4m3 cache (the path that computes in fp16) match the reference,
+    with either score formulation."""
+    monkeypatch.setattr(decode_attention, "_K_FIRST", k_first)
     lens = decode_lens(9, 2000)
     k_cache, v_cache, tables, ctx = paged_cache(lens, 128, num_kv_heads, 128, torch.bfloat16)
     k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
