@@ -18,8 +18,9 @@ _SPLIT_ALIGN = 16  # split lengths are rounded up to this many tokens
 _FINAL_TILE_BYTES, _FINAL_STAGES = 16 * 1024, 2
 _SPLIT_BLOCK_N, _SPLIT_STAGES = 32, 2
 _NUM_WARPS = 4
-# The launch's num_stages leaves these gathered K/V loads unpipelined (no async copies in the
-# compiled loop); tl.range's num_stages pipelines them. None keeps the loop as written.
+# Compiled for sm_90 (Triton 3.9), the launch's num_stages leaves these gathered K/V loads
+# unpipelined (no async copies in the loop); tl.range's num_stages pipelines them. None keeps
+# the loop as written.
 _LOOP_STAGES: int | None = None
 # Programmatic dependent launch (sm_90+): the split and reduce kernels launch while their
 # predecessor finishes and wait for it before reading anything, hiding launch gaps.
