@@ -30,7 +30,7 @@ import nanovllm.kernels.decode_attention as decode_kernels
 from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.decode_reduce import default_num_splits, num_sms
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B attention
+HEAD_DIM = 128
 DTYPE = torch.bfloat16
 MAX_CACHE_BYTES = 40e9
 
@@ -56,13 +56,20 @@ def graph_time_us(fns: list[Callable[[], object]], rep_ms: int) -> float:
 
 
 def bench_decode(
-    batch: int, context: int, block_size: int, rep_ms: int, cache_dtype: torch.dtype, layers: int
+    batch: int,
+    context: int,
+    block_size: int,
+    rep_ms: int,
+    cache_dtype: torch.dtype,
+    layers: int,
+    heads: tuple[int, int],
 ) -> tuple[float, int]:
     """Median microseconds of one layer's decode attention with every sequence at ``context``
-    tokens, over ``layers`` layers of one graph."""
+    tokens and ``heads`` (query, KV) heads, over ``layers`` layers of one graph."""
     blocks_per_seq = context // block_size
     num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    num_heads, num_kv_heads = heads
+    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
     caches = [
         tuple(torch.randn(shape, dtype=DTYPE, device="cuda").to(cache_dtype) for _ in range(2))
         for _ in range(layers)
@@ -71,10 +78,10 @@ def bench_decode(
     perm = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
     tables = perm.view(batch, blocks_per_seq)
     ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    q = torch.randn(batch, num_heads, HEAD_DIM, dtype=DTYPE, device="cuda")
     calls = [partial(paged_decode_attention, q, k, v, tables, ctx, HEAD_DIM**-0.5) for k, v in caches]
     us = graph_time_us(calls, rep_ms)
-    splits = default_num_splits(batch, NUM_KV_HEADS, blocks_per_seq, block_size, num_sms(q.device))
+    splits = default_num_splits(batch, num_kv_heads, blocks_per_seq, block_size, num_sms(q.device))
     return us, splits
 
 
@@ -98,8 +105,7 @@ def main() -> None:
     parser.add_argument("--pdl", default="off", help="off, on or off,on: programmatic dependent launch")
     parser.add_argument("--k-first", default="off", help="off, on or off,on: K as the dot's first operand")
     args = parser.parse_args()
-    global NUM_HEADS, NUM_KV_HEADS
-    NUM_HEADS, NUM_KV_HEADS = map(int, args.heads.split("/"))
+    num_heads, num_kv_heads = heads = tuple(map(int, args.heads.split("/")))
     loop_stages = [None if st == "none" else int(st) for st in args.loop_stages.split(",")]
     switches = [[v == "on" for v in arg.split(",")] for arg in (args.pdl, args.k_first)]
     settings = list(itertools.product(loop_stages, *switches))
@@ -117,21 +123,21 @@ def main() -> None:
     copy_gbs = copy_bandwidth(4 * 2**30, rep_ms)
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
     names = [f"stages {st}{', pdl' * pdl}{', k first' * k_first}" for st, pdl, k_first in settings]
-    print(f"{NUM_HEADS}/{NUM_KV_HEADS} heads; {names[0]}, then: {', '.join(names[1:]) or '-'}")
+    print(f"{num_heads}/{num_kv_heads} heads; {names[0]}, then: {', '.join(names[1:]) or '-'}")
     floor_head = f" {'sum us':>7} {'% copy':>6}" if args.floor else ""
     print(
         f"{'batch':>5} {'context':>7} {'block':>5} {'splits':>6} {'time us':>9} {'GB/s':>7} {'% copy':>6}"
         + floor_head
     )
     for block_size, batch, context in itertools.product(block_sizes, batches, contexts):
-        kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * dtype_bytes
+        kv_bytes = batch * context * num_kv_heads * HEAD_DIM * 2 * dtype_bytes
         if kv_bytes > MAX_CACHE_BYTES:
             continue
         layers = max(1, min(args.layers, int(MAX_CACHE_BYTES // kv_bytes)))
         times = []
         for stages, pdl, k_first in settings:
             decode_kernels._LOOP_STAGES, decode_kernels._PDL, decode_kernels._K_FIRST = stages, pdl, k_first
-            us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype, layers)
+            us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype, layers, heads)
             times.append(us)
         us = times[0]
         gbs = kv_bytes / us / 1e3

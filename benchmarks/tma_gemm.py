@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nanovllm.kernels.decode_reduce import num_sms
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, warp-specialised)
 TMA_TILES = [
     (128, 128, 64, 4, 4, False),
@@ -59,12 +61,6 @@ def _tma_gemm_kernel(
         out_desc.store([off_m, off_n], acc.to(dtype))
 
 
-def sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def tma_linear(
     x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple, swiglu: bool = False
 ) -> torch.Tensor:
@@ -72,7 +68,7 @@ def tma_linear(
     x, w and out contiguous. ``tile`` is one of :data:`TMA_TILES`."""
     (M, K), N = x.shape, out.shape[1]
     bm, bn, bk, warps, stages, ws = tile
-    programs = min(sm_count(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    programs = min(num_sms(x.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
     _tma_gemm_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [bm, bk]),
         TensorDescriptor.from_tensor(w, [bn, bk]),
