@@ -13,9 +13,8 @@ call. A graph's own launch cost is then spread over its layers, as in the engine
 way: one well-tuned read-only launch per layer, the floor a small batch's attention (which
 must also combine its splits) can approach.
 
-``--loop-stages none,2,3``, ``--pdl off,on`` and ``--k-first off,on`` time each combination of
-the kernel's tunables (tile-loop pipelining depth, programmatic dependent launch, K as the
-score dot's first operand) per case, the first one in the table.
+``--loop-stages none,3`` times each pipelining depth of the single-split kernel's tile loop
+per case, the first one in the table.
 """
 
 import argparse
@@ -100,15 +99,13 @@ def main() -> None:
     parser.add_argument("--batches", default=None, help="comma-separated (default 1,16,256)")
     parser.add_argument("--heads", default="16/8", help="query/KV heads (Qwen3-8B: 32/8)")
     parser.add_argument(
-        "--loop-stages", default="none", help="comma-separated tile-loop pipelining depths to compare"
+        "--loop-stages", default="default", help="comma-separated tile-loop pipelining depths to compare"
     )
-    parser.add_argument("--pdl", default="off", help="off, on or off,on: programmatic dependent launch")
-    parser.add_argument("--k-first", default="off", help="off, on or off,on: K as the dot's first operand")
     args = parser.parse_args()
     num_heads, num_kv_heads = heads = tuple(map(int, args.heads.split("/")))
-    loop_stages = [None if st == "none" else int(st) for st in args.loop_stages.split(",")]
-    switches = [[v == "on" for v in arg.split(",")] for arg in (args.pdl, args.k_first)]
-    settings = list(itertools.product(loop_stages, *switches))
+    default_stages = decode_kernels._FINAL_LOOP_STAGES
+    named = {"default": default_stages, "none": None}
+    loop_stages = [named[st] if st in named else int(st) for st in args.loop_stages.split(",")]
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -122,7 +119,7 @@ def main() -> None:
 
     copy_gbs = copy_bandwidth(4 * 2**30, rep_ms)
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
-    names = [f"stages {st}{', pdl' * pdl}{', k first' * k_first}" for st, pdl, k_first in settings]
+    names = [f"loop stages {st}" for st in loop_stages]
     print(f"{num_heads}/{num_kv_heads} heads; {names[0]}, then: {', '.join(names[1:]) or '-'}")
     floor_head = f" {'sum us':>7} {'% copy':>6}" if args.floor else ""
     print(
@@ -135,10 +132,11 @@ def main() -> None:
             continue
         layers = max(1, min(args.layers, int(MAX_CACHE_BYTES // kv_bytes)))
         times = []
-        for stages, pdl, k_first in settings:
-            decode_kernels._LOOP_STAGES, decode_kernels._PDL, decode_kernels._K_FIRST = stages, pdl, k_first
+        for stages in loop_stages:
+            decode_kernels._FINAL_LOOP_STAGES = stages
             us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype, layers, heads)
             times.append(us)
+        decode_kernels._FINAL_LOOP_STAGES = default_stages
         us = times[0]
         gbs = kv_bytes / us / 1e3
         floor = ""

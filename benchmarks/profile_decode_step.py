@@ -6,8 +6,8 @@ With ``--prompt-tokens N`` every timed step is a mixed one: the decodes plus ``-
 new N-token prompts (requests of one output token, so the batch stays the same size). The
 8B bench's prompt steps are about ``--batch 512 --context 600 --prompt-tokens 560 --prompts 29``.
 
-``--loop-stages N``, ``--pdl`` and ``--k-first`` set decode attention's tunables before the graphs
-are captured.
+``--loop-stages N`` (0: unpipelined) sets the pipelining depth of single-split decode
+attention's tile loop before the graphs are captured.
 
 Prints wall time per step split into engine parts (schedule, prepare + forward + sample,
 postprocess), the GPU-busy time and the number of kernels per step, and the top CUDA kernels.
@@ -37,11 +37,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=0, help="new prompts' length, every step")
     parser.add_argument("--prompts", type=int, default=1, help="new prompts in every step")
     parser.add_argument("--loop-stages", type=int, default=None, help="decode attention's loop pipelining")
-    parser.add_argument("--pdl", action="store_true", help="decode attention's programmatic dependent launch")
-    parser.add_argument("--k-first", action="store_true", help="decode attention: K first in the dot")
     args = parser.parse_args()
-    decode_attention._LOOP_STAGES, decode_attention._PDL = args.loop_stages, args.pdl
-    decode_attention._K_FIRST = args.k_first
+    if args.loop_stages is not None:
+        decode_attention._FINAL_LOOP_STAGES = args.loop_stages or None
     path = tempfile.mkdtemp()
     write_config(path, args.shape)
     llm = LLM(path, load_format="dummy", enforce_eager=args.enforce_eager, max_model_len=4096)

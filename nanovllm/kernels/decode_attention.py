@@ -18,16 +18,10 @@ _SPLIT_ALIGN = 16  # split lengths are rounded up to this many tokens
 _FINAL_TILE_BYTES, _FINAL_STAGES = 16 * 1024, 2
 _SPLIT_BLOCK_N, _SPLIT_STAGES = 32, 2
 _NUM_WARPS = 4
-# Compiled for sm_90 (Triton 3.9), the launch's num_stages leaves these gathered K/V loads
-# unpipelined (no async copies in the loop); tl.range's num_stages pipelines them. None keeps
-# the loop as written.
-_LOOP_STAGES: int | None = None
-# Programmatic dependent launch (sm_90+): the split and reduce kernels launch while their
-# predecessor finishes and wait for it before reading anything, hiding launch gaps.
-_PDL = False
-# K as the score dot's first operand (s = (k @ q^T)^T): a float8 K tile then widens in the dot
-# operand's layout, as V does, instead of round-tripping through shared memory for tl.trans.
-_K_FIRST = False
+# Compiled for sm_90 (Triton 3.9), the launch's num_stages leaves the gathered K/V loads
+# unpipelined (no async copies in the loop); tl.range's num_stages pipelines them. One split
+# only: with several, 3 stages made a float8 cache's short programs a third slower.
+_FINAL_LOOP_STAGES: int | None = None
 
 
 def paged_decode_attention_ref(
@@ -68,17 +62,13 @@ def _decode_split_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr, FINAL: tl.constexpr, HAS_ORDER: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr, LOOP_STAGES: tl.constexpr, PDL: tl.constexpr,
-    K_FIRST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):  # fmt: skip
     """One program: all GROUP query heads of one KV head over one split of one sequence.
 
     With FINAL (a single split) it writes the output; otherwise the normalised partial output
     to ``out[seq, head, split]`` (fp32) and its base-2 log-sum-exp to ``lse[seq, head, split]``.
     """
-    if PDL:  # everything before this kernel is done from here on; let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_ORDER:  # programs start in launch order; this one takes the row named here
         ordered = tl.load(order_ptr + seq)
@@ -105,8 +95,6 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    if K_FIRST:
-        q_t = tl.trans(q)
     for tile in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
         toks = tile + offs_n
         t_mask = toks < end
@@ -118,10 +106,7 @@ def _decode_split_kernel(
             mask=t_mask[:, None],
             other=0.0,
         ).to(q.dtype)  # a float8 cache holds K/V at scale 1
-        if K_FIRST:
-            s = tl.trans(tl.dot(k, q_t, input_precision=DOT_PRECISION)) * qk_scale
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -190,12 +175,11 @@ def paged_decode_attention(
     if num_splits == 1:
         part, lse = out, out  # lse is unused when the kernel writes the final output
         block_n = min(128, _FINAL_TILE_BYTES // (head_dim * k_cache.element_size()))
-        num_stages = _FINAL_STAGES
+        num_stages, loop_stages = _FINAL_STAGES, _FINAL_LOOP_STAGES
     else:
-        block_n, num_stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
+        block_n, num_stages, loop_stages = _SPLIT_BLOCK_N, _SPLIT_STAGES, None
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device)
-    pdl = _PDL and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q,
         k_cache,
@@ -222,13 +206,10 @@ def paged_decode_attention(
         HAS_ORDER=row_order is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         F16_DOT=num_splits == 1 and k_cache.element_size() == 1 and q.dtype == torch.bfloat16,
-        LOOP_STAGES=_LOOP_STAGES,
-        PDL=pdl,
-        K_FIRST=_K_FIRST,
+        LOOP_STAGES=loop_stages,
         num_warps=_NUM_WARPS,
         num_stages=num_stages,
-        **({"launch_pdl": True} if pdl else {}),
     )
     if num_splits > 1:
-        combine_splits(part, lse, out, pdl)
+        combine_splits(part, lse, out)
     return out

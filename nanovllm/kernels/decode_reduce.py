@@ -42,12 +42,8 @@ def _decode_reduce_kernel(
     CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Combine the per-split partial outputs of one (sequence, query head), BLOCK_D dims."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     head = tl.program_id(0)
     seq = tl.program_id(1)
     row0 = (seq * num_heads + head) * num_splits
@@ -70,10 +66,9 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out)
 
 
-def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> None:
+def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
     """``out[b, h] = sum_s softmax_s(lse[b, h, :]) * part[b, h, s]``; part is fp32 ``[batch,
-    heads, splits, head_dim]``, lse the base-2 log-sum-exp of each split (-inf: empty). With
-    ``pdl`` (sm_90+) the kernel is launched as a programmatic dependent of the one before."""
+    heads, splits, head_dim]``, lse the base-2 log-sum-exp of each split (-inf: empty)."""
     batch, num_heads, num_splits, head_dim = part.shape
     block_d = min(head_dim, _REDUCE_BLOCK_D)
     _decode_reduce_kernel[(num_heads, batch, head_dim // block_d)](
@@ -87,6 +82,4 @@ def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, pdl
         CHUNK=min(_REDUCE_CHUNK, triton.next_power_of_2(num_splits)),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        PDL=pdl,
-        **({"launch_pdl": True} if pdl else {}),
     )

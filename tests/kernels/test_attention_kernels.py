@@ -128,22 +128,6 @@ def test_decode_attention(block_size, num_kv_heads, head_dim, num_splits, pad, d
     check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, scale), dtype)
 
 
-@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["cache_as_q", "fp8_cache"])
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_with_k_first(dtype, num_splits, cache_dtype, monkeypatch) -> None:
-    """The kernel's other score formulation (K as the dot's first operand) gives the same
-    attention."""
-    monkeypatch.setattr(dec, "_K_FIRST", True)
-    lens = [1, 16, 17, 70, 45]
-    k_cache, v_cache, tables, ctx = make_cache(lens, 16, 2, 64, dtype, "garbage")
-    if cache_dtype is not None:
-        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
-    q = make_q(len(lens), 8, 2, 64, dtype)
-    out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, num_splits)
-    check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.125), dtype)
-
-
 def test_decode_attention_combines_many_splits() -> None:
     """80 splits of a 1,100-token context, 69 of them holding tokens: the reduce takes them in
     more than one pass."""

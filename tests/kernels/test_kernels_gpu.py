@@ -88,54 +88,19 @@ def test_decode_forced_splits(num_splits: int) -> None:
     check(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.1))
 
 
-@pytest.mark.parametrize("k_first", [False, True])
+@pytest.mark.parametrize("loop_stages", [None, 3])
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (32, 8)])
-def test_decode_float8_cache(num_heads, num_kv_heads, num_splits, k_first, monkeypatch) -> None:
+def test_decode_float8_cache(num_heads, num_kv_heads, num_splits, loop_stages, monkeypatch) -> None:
     """bf16 queries over an e4m3 cache (the path that computes in fp16) match the reference,
-    with either score formulation."""
-    monkeypatch.setattr(decode_attention, "_K_FIRST", k_first)
+    with the single-split tile loop as written and pipelined."""
+    monkeypatch.setattr(decode_attention, "_FINAL_LOOP_STAGES", loop_stages)
     lens = decode_lens(9, 2000)
     k_cache, v_cache, tables, ctx = paged_cache(lens, 128, num_kv_heads, 128, torch.bfloat16)
     k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
     q = torch.randn(9, num_heads, 128, device="cuda", dtype=torch.bfloat16) * Q_GAIN
     out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, num_splits)
     check(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.1))
-
-
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90+"
-)
-def test_decode_with_programmatic_dependent_launch(monkeypatch) -> None:
-    """Split and reduce kernels launched as programmatic dependents, eager and in a CUDA graph
-    of several layers, each reading a q that the kernel just before it wrote: every layer
-    matches the reference on the q it holds afterwards (a launch that did not wait would
-    have read the previous replay's q)."""
-    monkeypatch.setattr(decode_attention, "_PDL", True)
-    lens = decode_lens(3, 3000)
-    layers = [paged_cache(lens, 128, 8, 128, torch.bfloat16, seed=i) for i in range(4)]
-    q = torch.randn(3, 32, 128, device="cuda", dtype=torch.bfloat16) * Q_GAIN
-    qs = [torch.empty_like(q) for _ in layers]
-
-    def step() -> list[torch.Tensor]:
-        outs = []
-        for q_in, (k_cache, v_cache, tables, ctx) in zip(qs, layers):
-            q_in.copy_(q if not outs else outs[-1] * Q_GAIN)  # each layer reads what the last wrote
-            outs.append(paged_decode_attention(q_in, k_cache, v_cache, tables, ctx, 0.1, 4))
-        return outs
-
-    def check_layers(outs: list[torch.Tensor]) -> None:  # each against the q it was given
-        for out, q_in, (k_cache, v_cache, tables, ctx) in zip(outs, qs, layers):
-            check(out, paged_decode_attention_ref(q_in, k_cache, v_cache, tables, ctx, 0.1))
-
-    check_layers(step())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    for _ in range(2):
-        q.normal_().mul_(Q_GAIN)
-        graph.replay()
-        check_layers(outs)
 
 
 def test_decode_cuda_graph() -> None:
