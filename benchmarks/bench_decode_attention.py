@@ -12,9 +12,6 @@ call. A graph's own launch cost is then spread over its layers, as in the engine
 ``--floor`` adds, per case, torch's ``sum`` over a buffer of the same K/V bytes timed the same
 way: one well-tuned read-only launch per layer, the floor a small batch's attention (which
 must also combine its splits) can approach.
-
-``--loop-stages none,3`` times each pipelining depth of the single-split kernel's tile loop
-per case, the first one in the table.
 """
 
 import argparse
@@ -25,7 +22,6 @@ from functools import partial
 import torch
 from triton.testing import do_bench
 
-import nanovllm.kernels.decode_attention as decode_kernels
 from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.decode_reduce import default_num_splits, num_sms
 
@@ -98,14 +94,8 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true", help="also time a sum over the same bytes")
     parser.add_argument("--batches", default=None, help="comma-separated (default 1,16,256)")
     parser.add_argument("--heads", default="16/8", help="query/KV heads (Qwen3-8B: 32/8)")
-    parser.add_argument(
-        "--loop-stages", default="default", help="comma-separated tile-loop pipelining depths to compare"
-    )
     args = parser.parse_args()
     num_heads, num_kv_heads = heads = tuple(map(int, args.heads.split("/")))
-    default_stages = decode_kernels._FINAL_LOOP_STAGES
-    named = {"default": default_stages, "none": None}
-    loop_stages = [named[st] if st in named else int(st) for st in args.loop_stages.split(",")]
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -119,8 +109,7 @@ def main() -> None:
 
     copy_gbs = copy_bandwidth(4 * 2**30, rep_ms)
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
-    names = [f"loop stages {st}" for st in loop_stages]
-    print(f"{num_heads}/{num_kv_heads} heads; {names[0]}, then: {', '.join(names[1:]) or '-'}")
+    print(f"{num_heads}/{num_kv_heads} heads")
     floor_head = f" {'sum us':>7} {'% copy':>6}" if args.floor else ""
     print(
         f"{'batch':>5} {'context':>7} {'block':>5} {'splits':>6} {'time us':>9} {'GB/s':>7} {'% copy':>6}"
@@ -131,25 +120,15 @@ def main() -> None:
         if kv_bytes > MAX_CACHE_BYTES:
             continue
         layers = max(1, min(args.layers, int(MAX_CACHE_BYTES // kv_bytes)))
-        times = []
-        for stages in loop_stages:
-            decode_kernels._FINAL_LOOP_STAGES = stages
-            us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype, layers, heads)
-            times.append(us)
-        decode_kernels._FINAL_LOOP_STAGES = default_stages
-        us = times[0]
+        us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype, layers, heads)
         gbs = kv_bytes / us / 1e3
         floor = ""
         if args.floor:
             floor_us = read_floor_us(kv_bytes, rep_ms, layers)
             floor = f" {floor_us:>7.1f} {100 * kv_bytes / floor_us / 1e3 / copy_gbs:>5.0f}%"
-        others = "".join(
-            f" | {name}: {t:.1f} us {100 * kv_bytes / t / 1e3 / copy_gbs:.0f}%"
-            for name, t in zip(names[1:], times[1:])
-        )
         print(
             f"{batch:>5} {context:>7} {block_size:>5} {splits:>6} {us:>9.1f} "
-            f"{gbs:>7.0f} {100 * gbs / copy_gbs:>5.0f}%" + floor + others
+            f"{gbs:>7.0f} {100 * gbs / copy_gbs:>5.0f}%" + floor
         )
         torch.cuda.empty_cache()
 

@@ -6,9 +6,6 @@ With ``--prompt-tokens N`` every timed step is a mixed one: the decodes plus ``-
 new N-token prompts (requests of one output token, so the batch stays the same size). The
 8B bench's prompt steps are about ``--batch 512 --context 600 --prompt-tokens 560 --prompts 29``.
 
-``--loop-stages N`` (0: unpipelined) sets the pipelining depth of single-split decode
-attention's tile loop before the graphs are captured.
-
 Prints wall time per step split into engine parts (schedule, prepare + forward + sample,
 postprocess), the GPU-busy time and the number of kernels per step, and the top CUDA kernels.
 """
@@ -23,7 +20,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo_models import SHAPES, write_config
-from nanovllm.kernels import decode_attention
 from nanovllm.scheduling import ScheduledStep
 
 
@@ -36,10 +32,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="new prompts' length, every step")
     parser.add_argument("--prompts", type=int, default=1, help="new prompts in every step")
-    parser.add_argument("--loop-stages", type=int, default=None, help="decode attention's loop pipelining")
     args = parser.parse_args()
-    if args.loop_stages is not None:
-        decode_attention._FINAL_LOOP_STAGES = args.loop_stages or None
     path = tempfile.mkdtemp()
     write_config(path, args.shape)
     llm = LLM(path, load_format="dummy", enforce_eager=args.enforce_eager, max_model_len=4096)

@@ -11,17 +11,14 @@ _MIN_ROWS = 16  # tl.dot needs M >= 16: the GQA group is padded up to this
 _SPLIT_ALIGN = 16  # split lengths are rounded up to this many tokens
 # Tiles measured on H200 (bf16, head_dim 128), many layers per graph as in a decode step. One
 # split (a large batch): 64-token tiles, 2 stages, so several programs share an SM and one's
-# start-up hides under another's streaming (3 stages lost end to end on the bench's varied
-# contexts). Several splits (few, short programs): 32-token tiles cut every step's latency.
+# start-up hides under another's streaming (3 stages, at launch or pipelining the tile loop
+# with tl.range, won at uniform contexts and lost end to end on the bench's varied ones).
+# Several splits (few, short programs): 32-token tiles cut every step's latency.
 # A float8 cache gets 16 KB tiles too (128 tokens) and, with one split, an fp16 dot: at batch
 # 256-512 both together took its time from 0.92-0.94x of bf16's to 0.83-0.86x.
 _FINAL_TILE_BYTES, _FINAL_STAGES = 16 * 1024, 2
 _SPLIT_BLOCK_N, _SPLIT_STAGES = 32, 2
 _NUM_WARPS = 4
-# Compiled for sm_90 (Triton 3.9), the launch's num_stages leaves the gathered K/V loads
-# unpipelined (no async copies in the loop); tl.range's num_stages pipelines them. One split
-# only: with several, 3 stages made a float8 cache's short programs a third slower.
-_FINAL_LOOP_STAGES: int | None = None
 
 
 def paged_decode_attention_ref(
@@ -62,7 +59,7 @@ def _decode_split_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr, FINAL: tl.constexpr, HAS_ORDER: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr,
 ):  # fmt: skip
     """One program: all GROUP query heads of one KV head over one split of one sequence.
 
@@ -95,7 +92,7 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for tile in tl.range(start, end, BLOCK_N, num_stages=LOOP_STAGES):
+    for tile in range(start, end, BLOCK_N):
         toks = tile + offs_n
         t_mask = toks < end
         # Masked lanes never touch the table, so padding entries (-1, garbage) are never used.
@@ -175,9 +172,9 @@ def paged_decode_attention(
     if num_splits == 1:
         part, lse = out, out  # lse is unused when the kernel writes the final output
         block_n = min(128, _FINAL_TILE_BYTES // (head_dim * k_cache.element_size()))
-        num_stages, loop_stages = _FINAL_STAGES, _FINAL_LOOP_STAGES
+        num_stages = _FINAL_STAGES
     else:
-        block_n, num_stages, loop_stages = _SPLIT_BLOCK_N, _SPLIT_STAGES, None
+        block_n, num_stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device)
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
@@ -206,7 +203,6 @@ def paged_decode_attention(
         HAS_ORDER=row_order is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         F16_DOT=num_splits == 1 and k_cache.element_size() == 1 and q.dtype == torch.bfloat16,
-        LOOP_STAGES=loop_stages,
         num_warps=_NUM_WARPS,
         num_stages=num_stages,
     )

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from nanovllm.kernels import decode_attention
 from nanovllm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from nanovllm.kernels.prefill_attention import (
     paged_prefill_attention,
@@ -88,13 +87,10 @@ def test_decode_forced_splits(num_splits: int) -> None:
     check(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.1))
 
 
-@pytest.mark.parametrize("loop_stages", [None, 3])
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (32, 8)])
-def test_decode_float8_cache(num_heads, num_kv_heads, num_splits, loop_stages, monkeypatch) -> None:
-    """bf16 queries over an e4m3 cache (the path that computes in fp16) match the reference,
-    with the single-split tile loop as written and pipelined."""
-    monkeypatch.setattr(decode_attention, "_FINAL_LOOP_STAGES", loop_stages)
+def test_decode_float8_cache(num_heads, num_kv_heads, num_splits) -> None:
+    """bf16 queries over an e4m3 cache (the path that computes in fp16) match the reference."""
     lens = decode_lens(9, 2000)
     k_cache, v_cache, tables, ctx = paged_cache(lens, 128, num_kv_heads, 128, torch.bfloat16)
     k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
