@@ -33,7 +33,7 @@ from nanovllm.demo_models import SHAPES
 from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.silu_and_mul import silu_and_mul
 
-HEAD_DIM, BLOCK = 128, 128
+BLOCK = 128  # the engine's default block size
 _CHUNK = 8192  # elements of one cache block each read program covers
 
 
@@ -56,6 +56,8 @@ def _read_kv_kernel(
 def read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, sink):
     """Load every cached block the rows' contexts cover (K and V), so they sit in L2."""
     block_elems = k_cache[0].numel()
+    if block_elems % _CHUNK:
+        raise ValueError(f"a cache block ({block_elems} elements) is not whole {_CHUNK}-element chunks")
     grid = (block_elems // _CHUNK, tables.shape[1], tables.shape[0])
     _read_kv_kernel[grid](
         k_cache, v_cache, tables, ctx, sink, k_cache.stride(0), tables.stride(0),
@@ -65,19 +67,19 @@ def read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, 
 
 def build(shape: str, batch: int, context: int, layers: int, device: str = "cuda"):
     c = SHAPES[shape]
-    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")
-    hidden, heads, kv_heads, inter = (c[key] for key in keys)
-    qkv_out = (heads + 2 * kv_heads) * HEAD_DIM
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+    hidden, heads, kv_heads, head_dim, inter = (c[key] for key in keys)
+    qkv_out = (heads + 2 * kv_heads) * head_dim
     blocks_per_row = -(-context // BLOCK)
     num_blocks = batch * blocks_per_row
-    dims = [(hidden, qkv_out), (heads * HEAD_DIM, hidden), (hidden, 2 * inter), (inter, hidden)]
+    dims = [(hidden, qkv_out), (heads * head_dim, hidden), (hidden, 2 * inter), (inter, hidden)]
     weights = [
         [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for k, n in dims]
         for _ in range(layers)
     ]
     caches = [
         tuple(
-            torch.randn(num_blocks, BLOCK, kv_heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
+            torch.randn(num_blocks, BLOCK, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
             for _ in "kv"
         )
         for _ in range(layers)
@@ -85,8 +87,8 @@ def build(shape: str, batch: int, context: int, layers: int, device: str = "cuda
     tables = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(batch, blocks_per_row)
     ctx = torch.full((batch,), context, device=device, dtype=torch.int32)
     x = torch.randn(batch, hidden, device=device, dtype=torch.bfloat16)
-    q = torch.randn(batch, heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    sink = torch.empty(batch * blocks_per_row * (BLOCK * kv_heads * HEAD_DIM // _CHUNK), device=device)
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16)
+    sink = torch.empty(batch * blocks_per_row * (BLOCK * kv_heads * head_dim // _CHUNK), device=device)
     return weights, caches, tables, ctx, x, q, sink
 
 
@@ -99,18 +101,18 @@ def step(weights, caches, tables, ctx, x, q, sink, mode: str, side: torch.cuda.S
         with torch.cuda.stream(side):
             read_kv(*caches[layer], tables, ctx, sink)
 
-    batch, heads, _ = q.shape
+    batch, heads, head_dim = q.shape
     for layer, (w_qkv, w_o, w_gate_up, w_down) in enumerate(weights):
         if mode == "same" or (mode == "next" and layer == 0):
             fork_read(layer)
         if mode != "attention":
-            q = F.linear(x, w_qkv)[:, : heads * HEAD_DIM].reshape(batch, heads, HEAD_DIM)
+            q = F.linear(x, w_qkv)[:, : heads * head_dim].reshape(batch, heads, head_dim)
         if mode in ("same", "next"):
             main.wait_stream(side)
         attn = (
             q
             if mode == "no attention"
-            else paged_decode_attention(q, *caches[layer], tables, ctx, HEAD_DIM**-0.5)
+            else paged_decode_attention(q, *caches[layer], tables, ctx, head_dim**-0.5)
         )
         if mode == "next" and layer + 1 < len(weights):
             fork_read(layer + 1)

@@ -16,10 +16,11 @@ _SPLIT_ALIGN = 16  # split lengths are rounded up to this many tokens
 # Several splits (few, short programs): 32-token tiles cut every step's latency.
 # A float8 cache gets 16 KB tiles too (128 tokens) and, with one split, an fp16 dot: at batch
 # 256-512 both together took its time from 0.92-0.94x of bf16's to 0.83-0.86x.
-_FINAL_TILE_BYTES, _FINAL_STAGES, _FINAL_WARPS = 16 * 1024, 2, 4
+_FINAL_TILE_BYTES, _FINAL_STAGES = 16 * 1024, 2
 _SPLIT_BLOCK_N, _SPLIT_STAGES = 32, 2
+_NUM_WARPS = 4
 # Few splits mean long spans per program: two warps keep more of them resident (H200 sweep).
-_FEW_SPLITS, _FEW_SPLITS_WARPS, _SPLIT_WARPS = 4, 2, 4
+_FEW_SPLITS, _FEW_SPLITS_WARPS = 4, 2
 
 
 def paged_decode_attention_ref(
@@ -173,10 +174,10 @@ def paged_decode_attention(
     if num_splits == 1:
         part, lse = out, out  # lse is unused when the kernel writes the final output
         block_n = min(128, _FINAL_TILE_BYTES // (head_dim * k_cache.element_size()))
-        num_stages, num_warps = _FINAL_STAGES, _FINAL_WARPS
+        num_stages, num_warps = _FINAL_STAGES, _NUM_WARPS
     else:
         block_n, num_stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
-        num_warps = _FEW_SPLITS_WARPS if num_splits <= _FEW_SPLITS else _SPLIT_WARPS
+        num_warps = _FEW_SPLITS_WARPS if num_splits <= _FEW_SPLITS else _NUM_WARPS
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device)
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
