@@ -1,11 +1,33 @@
-"""SwiGLU activation on a fused gate/up projection."""
+"""SwiGLU with its gate/up projection: one column-parallel GEMM, then silu(gate) * up."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.gate_up_silu import gate_up_silu, gate_up_silu_fits
 from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from nanovllm.layers.linear import ColumnParallelLinear
+from nanovllm.layers.parallel import TPGroup
 
 
-class SiluAndMul(nn.Module):
+class GateUpSwiGLU(ColumnParallelLinear):
+    """``silu(x @ gate.T) * (x @ up.T)`` from Hugging Face's ``gate_proj`` and ``up_proj``.
+
+    The weight stores their rows interleaved (gate ``j`` at ``2j``, up ``j`` at ``2j + 1``; each
+    rank its own slice of both), so a GEMM output tile holds matching gate and up columns and
+    large batches take the kernel with SwiGLU in its epilogue; small ones keep cuBLAS and a
+    separate SwiGLU kernel, which win there.
+    """
+
+    def __init__(self, input_size: int, intermediate_size: int, tp: TPGroup = TPGroup()):
+        super().__init__(input_size, 2 * intermediate_size, False, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        param.data[shard_id::2].copy_(loaded.chunk(self.tp.size, 0)[self.tp.rank])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)
+        if not x.is_cuda:
+            return silu_and_mul_ref(F.linear(x, self.weight), interleaved=True)
+        if gate_up_silu_fits(x, self.weight):
+            return gate_up_silu(x, self.weight)
+        return silu_and_mul(F.linear(x, self.weight), interleaved=True)

@@ -42,19 +42,6 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, tp.size), bias, tp, 0)
 
 
-class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections fused into one (e.g. gate and up)."""
-
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp: TPGroup = TPGroup()):
-        self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, tp)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        size = self.output_sizes[shard_id] // self.tp.size
-        param.data.narrow(0, offset, size).copy_(loaded.chunk(self.tp.size, 0)[self.tp.rank])
-
-
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q, k, v projections; heads split across ranks."""
 

@@ -9,13 +9,12 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata, QKTransform
-from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.activation import GateUpSwiGLU
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import (
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
@@ -60,12 +59,11 @@ class DecoderMLP(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TPGroup):
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], False, tp)
+        self.gate_up_proj = GateUpSwiGLU(config.hidden_size, size, tp)
         self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class SparseMoeBlock(nn.Module):

@@ -24,7 +24,8 @@ def test_packed_modules_hold_the_checkpoint_tensors(qwen3_dir):
     p = "model.layers.1."
     expected_qkv = torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
     torch.testing.assert_close(attn.qkv_proj.weight, expected_qkv, rtol=0, atol=0)
-    expected_gate_up = torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
+    gate, up = weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]
+    expected_gate_up = torch.stack([gate, up], dim=1).flatten(0, 1)  # rows interleaved
     torch.testing.assert_close(
         model.model.layers[1].mlp.gate_up_proj.weight, expected_gate_up, rtol=0, atol=0
     )
