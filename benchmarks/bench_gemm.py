@@ -1,6 +1,7 @@
 """The decoder's four projections at a step's row counts: cuBLAS, cuBLASLt and a plain Triton GEMM.
 
-    PYTHONPATH=. python3 benchmarks/bench_gemm.py [--shape qwen3-8b] [--rows 256,1024] [--triton] [--tma]
+    PYTHONPATH=. python3 benchmarks/bench_gemm.py [--shape qwen3-8b] [--rows 256,1024] [--triton]
+                                                   [--fused-tiles]
 
 Each case is ``F.linear(x, w)`` (``w``: ``[out, in]``, as the checkpoint stores it) for qkv,
 o, gate_up and down, timed as a CUDA-graph replay over ``--layers`` layers' weights, so no
@@ -8,12 +9,14 @@ layer finds its weights in L2, as in a decode step. Prints microseconds and TFLO
 projection, and the four together per row of a layer.
 
 ``--triton`` also times a Triton GEMM with the tiles below (best per case, and its tile): it
-asks whether a Triton kernel, which could take the RMSNorm before it and SwiGLU or the
-residual add after it, can match cuBLAS at these sizes at all. A second row for gate_up,
-"gate_up+silu", sets cuBLAS followed by the engine's SwiGLU kernel against the same Triton
-GEMM with SwiGLU in its epilogue (gate and up tiles side by side, half the output written).
-It is a probe, not the engine's code; its output is checked before it is timed. ``--tma``
-does the same for the persistent, tensor-descriptor GEMM of ``tma_gemm.py``.
+asks whether a Triton kernel, which could take the RMSNorm before it or the residual add
+after it, can match cuBLAS at these sizes at all. It is a probe, not the engine's code; its
+output is checked before it is timed.
+
+A second row for gate_up, "gate_up+silu", sets cuBLAS (and cuBLASLt) followed by the engine's
+SwiGLU kernel against the engine's GEMM with SwiGLU in its epilogue (``gate_up_silu``, gate
+and up rows interleaved), with its default tile and, with ``--fused-tiles``, the best of
+``FUSED_TILES``.
 """
 
 import argparse
@@ -26,6 +29,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from nanovllm.demo_models import SHAPES
+from nanovllm.kernels.gate_up_silu import gate_up_silu
 from nanovllm.kernels.silu_and_mul import silu_and_mul
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
@@ -42,17 +46,26 @@ TILES = [
     (256, 128, 64, 8, 3),
 ]
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, warp-specialised) for gate_up_silu
+FUSED_TILES = [
+    (128, 128, 64, 4, 4, False),
+    (128, 128, 64, 8, 4, False),
+    (128, 256, 64, 8, 3, False),
+    (256, 128, 64, 8, 3, False),
+    (128, 128, 128, 8, 3, False),
+    (64, 256, 64, 4, 4, False),
+    (128, 128, 64, 4, 4, True),
+    (128, 256, 64, 8, 3, True),
+]
+
 
 @triton.jit
 def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SWIGLU: tl.constexpr,
 ):  # fmt: skip
     # out = x @ w.T, all contiguous; K is a multiple of BLOCK_K. Programs walk GROUP_M row
-    # tiles per column tile so that neighbours share weight tiles in L2. With SWIGLU, w holds
-    # 2N rows (gate, then up) and out = silu(x @ gate.T) * (x @ up.T), rounded as the
-    # engine's two kernels round it.
+    # tiles per column tile so that neighbours share weight tiles in L2.
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * tiles_n)
@@ -66,32 +79,22 @@ def _gemm_kernel(
     x_tile = x_ptr + offs_m[:, None] * K + offs_k[None, :]
     w_tile = w_ptr + offs_n[:, None] * K + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, K, BLOCK_K):
         x = tl.load(x_tile, mask=offs_m[:, None] < M, other=0.0)
         w = tl.load(w_tile, mask=offs_n[:, None] < N, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
-        if SWIGLU:
-            up = tl.load(w_tile + N * K, mask=offs_n[:, None] < N, other=0.0)
-            acc_up = tl.dot(x, tl.trans(up), acc_up)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
-    if SWIGLU:
-        dtype = out_ptr.dtype.element_ty
-        gate, up = acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32)
-        acc = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
     out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def triton_linear(
-    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple, swiglu: bool = False
-) -> torch.Tensor:
+def triton_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple) -> torch.Tensor:
     (M, K), N = x.shape, out.shape[1]
     bm, bn, bk, warps, stages = tile
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     _gemm_kernel[grid](
-        x, w, out, M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SWIGLU=swiglu,
+        x, w, out, M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -117,7 +120,7 @@ def graph_us(calls: list, rep_ms: int) -> float:
 
 
 def linear_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return silu_and_mul(F.linear(x, w))
+    return silu_and_mul(F.linear(x, w), interleaved=True)
 
 
 def time_library(library: str, xs, ws, rep_ms: int, swiglu: bool = False) -> float:
@@ -128,20 +131,12 @@ def time_library(library: str, xs, ws, rep_ms: int, swiglu: bool = False) -> flo
         torch.backends.cuda.preferred_blas_library("cublas")
 
 
-def time_triton(
-    xs, ws, rep_ms: int, swiglu: bool = False, linear=triton_linear, tiles=TILES
-) -> tuple[float, tuple]:
-    """Best microseconds of ``linear`` over ``tiles`` (each checked against cuBLAS first), and
-    its tile; a tile that does not compile here is skipped with a note."""
-    n = ws[0].shape[0] // 2 if swiglu else ws[0].shape[0]
-    outs = [torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device) for x in xs]
-    expected = (linear_silu if swiglu else F.linear)(xs[0], ws[0]).float()
-    best = (float("inf"), None)
+def checked_tiles(linear, x, w, out, expected, tiles):
+    """The tiles whose output of ``linear(x, w, out, tile)`` matches ``expected``; a tile that
+    does not compile or fit here is skipped (with a note when it does not compile)."""
     for tile in tiles:
-        if ws[0].shape[1] % tile[2]:
-            continue
         try:
-            got = linear(xs[0], ws[0], outs[0], tile, swiglu).float()
+            got = linear(x, w, out, tile).float()
         except triton.runtime.errors.OutOfResources:
             continue
         except (triton.compiler.errors.CompilationError, RuntimeError) as e:
@@ -149,8 +144,29 @@ def time_triton(
             continue
         err = (got - expected).abs().max().item() / expected.abs().max().item()
         if err > 2e-2:
-            raise AssertionError(f"Triton GEMM off by {err:.3g} (relative) with tile {tile}")
-        calls = [partial(linear, x, w, o, tile, swiglu) for x, w, o in zip(xs, ws, outs)]
+            raise AssertionError(f"{linear.__name__} off by {err:.3g} (relative) with tile {tile}")
+        yield tile
+
+
+def time_triton(xs, ws, rep_ms: int, linear=triton_linear, tiles=TILES) -> tuple[float, tuple]:
+    """Best microseconds of ``linear`` over ``tiles`` (each checked against cuBLAS first), and
+    its tile."""
+    outs = [torch.empty(x.shape[0], ws[0].shape[0], dtype=x.dtype, device=x.device) for x in xs]
+    expected = F.linear(xs[0], ws[0]).float()
+    tiles = [t for t in tiles if ws[0].shape[1] % t[2] == 0]
+    best = (float("inf"), None)
+    for tile in checked_tiles(linear, xs[0], ws[0], outs[0], expected, tiles):
+        calls = [partial(linear, x, w, o, tile) for x, w, o in zip(xs, ws, outs)]
+        best = min(best, (graph_us(calls, rep_ms), tile), key=lambda t: t[0])
+    return best
+
+
+def time_gate_up_silu(xs, ws, rep_ms: int, tiles) -> tuple[float, tuple]:
+    """Best microseconds of the engine's ``gate_up_silu`` over ``tiles`` (None: its own)."""
+    expected = linear_silu(xs[0], ws[0]).float()
+    best = (float("inf"), None)
+    for tile in checked_tiles(lambda x, w, _, t: gate_up_silu(x, w, t), xs[0], ws[0], None, expected, tiles):
+        calls = [partial(gate_up_silu, x, w, tile) for x, w in zip(xs, ws)]
         best = min(best, (graph_us(calls, rep_ms), tile), key=lambda t: t[0])
     return best
 
@@ -164,7 +180,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="layers' weights per graph")
     parser.add_argument("--libraries", default="cublas,cublaslt")
     parser.add_argument("--triton", action="store_true", help="also time a plain Triton GEMM")
-    parser.add_argument("--tma", action="store_true", help="also time a persistent TMA Triton GEMM")
+    parser.add_argument("--fused-tiles", action="store_true", help="sweep gate_up_silu's tiles")
     parser.add_argument("--rep-ms", type=int, default=100)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -172,10 +188,6 @@ def main() -> None:
     torch.manual_seed(0)
     libraries = args.libraries.split(",")
     kernels = [("triton", triton_linear, TILES)] if args.triton else []
-    if args.tma:
-        from tma_gemm import TMA_TILES, tma_linear  # beside this file
-
-        kernels.append(("tma", tma_linear, TMA_TILES))
     dims = projections(args.shape)
     ws = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(args.layers)]
           for name, (k, n) in dims.items()}  # fmt: skip
@@ -197,14 +209,16 @@ def main() -> None:
                 totals[kind] = totals.get(kind, 0.0) + us
                 cells.append(f"{kind} {us:8.1f} us {flop / us / 1e6:4.0f} TFLOP/s {tile}")
             print(f"rows {rows:6d} {name:8s} " + " | ".join(cells), flush=True)
-            if name == "gate_up" and kernels:
+            if name == "gate_up":
                 cells = []
                 for library in libraries:
                     us = time_library(library, xs, ws[name], args.rep_ms, swiglu=True)
                     cells.append(f"{library}+silu {us:8.1f} us")
-                for kind, linear, tiles in kernels:
-                    us, tile = time_triton(xs, ws[name], args.rep_ms, swiglu=True, linear=linear, tiles=tiles)
-                    cells.append(f"{kind} swiglu {us:8.1f} us {tile}")
+                us, _ = time_gate_up_silu(xs, ws[name], args.rep_ms, [None])
+                cells.append(f"fused {us:8.1f} us")
+                if args.fused_tiles:
+                    us, tile = time_gate_up_silu(xs, ws[name], args.rep_ms, FUSED_TILES)
+                    cells.append(f"fused, best tile {us:8.1f} us {tile}")
                 print(f"rows {rows:6d} gate_up+silu " + " | ".join(cells), flush=True)
         summary = ", ".join(
             f"{lib} {us:.1f} us ({us / rows:.3f} us a row, {flops / us / 1e6:.0f} TFLOP/s)"

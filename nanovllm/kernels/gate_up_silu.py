@@ -16,9 +16,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from nanovllm.kernels.decode_reduce import num_sms
 from nanovllm.kernels.silu_and_mul import silu_and_mul_ref
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the best of a sweep on H200 at 512-16,384 rows
-# of Qwen3-8B's and -0.6B's MLP (below 512 rows cuBLAS and the separate SwiGLU kernel win).
-_TILE = (128, 256, 64, 8, 3)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, warp-specialised): the best of a sweep on H200 at
+# 512-16,384 rows of Qwen3-8B's MLP (below 512 rows cuBLAS and the separate SwiGLU kernel win).
+TILE = (128, 256, 64, 8, 3, False)
 _GROUP_M = 8  # row tiles per column tile in the launch order, so weight tiles are shared in L2
 
 
@@ -33,10 +33,13 @@ def gate_up_silu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _gate_up_silu_kernel(
     x_desc, w_desc, out_desc, M, N, K, num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, num_programs, flatten=True):
+    for tile in tl.range(
+        tl.program_id(0), tiles_m * tiles_n, num_programs, flatten=True, warp_specialize=WARP_SPECIALIZE
+    ):
         first_m = (tile // per_group) * GROUP_M
         rows_in_group = min(tiles_m - first_m, GROUP_M)
         off_m = (first_m + (tile % per_group) % rows_in_group) * BLOCK_M
@@ -69,9 +72,9 @@ def gate_up_silu_fits(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 512
     )
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, tile: tuple | None = None) -> torch.Tensor:
     """Triton version of :func:`gate_up_silu_ref` (same semantics) for inputs that
-    :func:`gate_up_silu_fits` (ignoring its row minimum)."""
+    :func:`gate_up_silu_fits` (ignoring its row minimum); ``tile`` as :data:`TILE` (default)."""
     if not gate_up_silu_fits(x, weight, min_rows=0):
         raise ValueError("gate_up_silu needs contiguous fp16/bf16 inputs whose rows are 16-byte multiples")
     if weight.shape[1] != x.shape[1]:
@@ -80,7 +83,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    bm, bn, bk, warps, stages = _TILE
+    bm, bn, bk, warps, stages, warp_specialize = tile or TILE
     bn = min(bn, triton.next_power_of_2(n))
     programs = min(num_sms(x.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
     _gate_up_silu_kernel[(programs,)](
@@ -88,6 +91,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         TensorDescriptor.from_tensor(weight, [bn, bk]),
         TensorDescriptor.from_tensor(out, [bm, bn // 2]),
         m, n, k, programs,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=_GROUP_M, num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=_GROUP_M, WARP_SPECIALIZE=warp_specialize,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
