@@ -17,9 +17,13 @@ from nanovllm.kernels.decode_reduce import num_sms
 from nanovllm.kernels.silu_and_mul import silu_and_mul_ref
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, warp-specialised): the best of a sweep on H200 at
-# 512-16,384 rows of Qwen3-8B's MLP (below 512 rows cuBLAS and the separate SwiGLU kernel win).
+# 512-16,384 rows of Qwen3-8B's MLP.
 TILE = (128, 256, 64, 8, 3, False)
 _GROUP_M = 8  # row tiles per column tile in the launch order, so weight tiles are shared in L2
+# The kernel's tiles run in waves of one per SM. Where the useful part of those waves' tiles
+# fell under 0.9, cuBLAS + the SwiGLU kernel won at every size measured on H200 (Qwen3-8B at
+# 256, 384, 768 rows; -0.6B at 256-1,024), and the kernel won or tied where it was above.
+_MIN_WAVE_USE = 0.9
 
 
 def gate_up_silu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -55,13 +59,23 @@ def _gate_up_silu_kernel(
         out_desc.store([off_m, off_n // 2], (act * up).to(dtype))
 
 
-def gate_up_silu_fits(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 512) -> bool:
-    """Whether :func:`gate_up_silu` takes these inputs and pays at their size: at least
-    ``min_rows`` rows, fp16/bf16, contiguous, rows of whole 16-byte units (the tensor
-    descriptors' alignment), on a GPU with TMA (sm_90+)."""
+def _block_n(n: int) -> int:
+    return min(TILE[1], triton.next_power_of_2(n))
+
+
+def gate_up_silu_pays(rows: int, n: int, sms: int) -> bool:
+    """Whether the kernel beats cuBLAS + the SwiGLU kernel for ``rows`` x ``n`` (``2 * size``)
+    outputs on ``sms`` SMs: whether its tiles, in waves of ``sms``, are mostly useful work."""
+    tiles = triton.cdiv(rows, TILE[0]) * triton.cdiv(n, _block_n(n))
+    slots = triton.cdiv(tiles, sms) * sms * TILE[0] * _block_n(n)
+    return rows * n >= _MIN_WAVE_USE * slots
+
+
+def gate_up_silu_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`gate_up_silu` takes these inputs: fp16/bf16, contiguous, rows of whole
+    16-byte units (the tensor descriptors' alignment), on a GPU with TMA (sm_90+)."""
     return (
         x.dim() == 2
-        and x.shape[0] >= min_rows
         and x.dtype in (torch.float16, torch.bfloat16)
         and weight.dtype == x.dtype
         and x.is_contiguous()
@@ -72,10 +86,17 @@ def gate_up_silu_fits(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 512
     )
 
 
+def gate_up_silu_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes these inputs and pays at their size."""
+    return gate_up_silu_supported(x, weight) and gate_up_silu_pays(
+        x.shape[0], weight.shape[0], num_sms(x.device)
+    )
+
+
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, tile: tuple | None = None) -> torch.Tensor:
-    """Triton version of :func:`gate_up_silu_ref` (same semantics) for inputs that
-    :func:`gate_up_silu_fits` (ignoring its row minimum); ``tile`` as :data:`TILE` (default)."""
-    if not gate_up_silu_fits(x, weight, min_rows=0):
+    """Triton version of :func:`gate_up_silu_ref` (same semantics) for inputs it supports
+    (:func:`gate_up_silu_supported`); ``tile`` as :data:`TILE` (default)."""
+    if not gate_up_silu_supported(x, weight):
         raise ValueError("gate_up_silu needs contiguous fp16/bf16 inputs whose rows are 16-byte multiples")
     if weight.shape[1] != x.shape[1]:
         raise ValueError(f"weight has {weight.shape[1]} input features, x {x.shape[1]}")

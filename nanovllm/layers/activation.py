@@ -15,8 +15,8 @@ class GateUpSwiGLU(ColumnParallelLinear):
 
     The weight stores their rows interleaved (gate ``j`` at ``2j``, up ``j`` at ``2j + 1``; each
     rank its own slice of both), so a GEMM output tile holds matching gate and up columns and
-    large batches take the kernel with SwiGLU in its epilogue; small ones keep cuBLAS and a
-    separate SwiGLU kernel, which win there.
+    the kernel with SwiGLU in its epilogue can take sizes where it pays; the others keep cuBLAS
+    and a separate SwiGLU kernel.
     """
 
     def __init__(self, input_size: int, intermediate_size: int, tp: TPGroup = TPGroup()):

@@ -6,7 +6,14 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from nanovllm.kernels.gate_up_silu import gate_up_silu, gate_up_silu_fits, gate_up_silu_ref
+from nanovllm.kernels.decode_reduce import num_sms
+from nanovllm.kernels.gate_up_silu import (
+    gate_up_silu,
+    gate_up_silu_fits,
+    gate_up_silu_pays,
+    gate_up_silu_ref,
+    gate_up_silu_supported,
+)
 from nanovllm.layers.activation import GateUpSwiGLU
 from tests.interpreter import DEVICE
 
@@ -49,13 +56,26 @@ def test_reference_is_hf_mlp_activation():
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
-def test_fits_and_bad_inputs():
+@pytest.mark.parametrize(
+    "rows,n,pays",
+    # H200 (132 SMs), gate_up of Qwen3-8B (2 x 12,288) and -0.6B (2 x 3,072): where the kernel
+    # was measured against cuBLAS + the SwiGLU kernel, it pays exactly where it won or tied
+    [(256, 24576, False), (384, 24576, False), (512, 24576, True), (768, 24576, False),
+     (1024, 24576, True), (4096, 24576, True), (16384, 24576, True),
+     (256, 6144, False), (512, 6144, False), (768, 6144, False), (1024, 6144, False),
+     (4096, 6144, True), (16384, 6144, True)],
+)  # fmt: skip
+def test_pays_where_it_won(rows, n, pays):
+    assert gate_up_silu_pays(rows, n, sms=132) == pays
+
+
+def test_supported_and_bad_inputs():
     x = torch.zeros(600, 64, dtype=torch.float16, device=DEVICE)
     w = torch.zeros(96, 64, dtype=torch.float16, device=DEVICE)
-    assert gate_up_silu_fits(x, w) == (DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
-    assert not gate_up_silu_fits(x[:100], w)  # too few rows to pay
-    assert not gate_up_silu_fits(x.float(), w.float())
-    assert not gate_up_silu_fits(x[:, :60], w[:, :60])  # rows not 16-byte multiples, not contiguous
+    assert gate_up_silu_supported(x, w) == (DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
+    assert not gate_up_silu_supported(x.float(), w.float())
+    assert not gate_up_silu_supported(x[:, :60], w[:, :60])  # rows not 16-byte multiples, not contiguous
+    assert not gate_up_silu_fits(x, w)  # five tiles: most of one wave idle
     with pytest.raises(ValueError, match="16-byte"):
         gate_up_silu(x.float(), w.float())
     with pytest.raises(ValueError, match="input features"):
@@ -64,9 +84,10 @@ def test_fits_and_bad_inputs():
 
 def test_layer_loads_interleaved_and_matches_hf_mlp():
     """The layer's loader interleaves the checkpoint's gate and up rows; its output is HF's
-    activation on both paths (cuBLAS + SwiGLU kernel below the row minimum, fused above)."""
+    activation on both paths (cuBLAS + SwiGLU kernel for a few rows, the fused kernel for
+    eight whole waves of tiles)."""
     gen = torch.Generator().manual_seed(2)
-    hidden, size = 64, 96
+    hidden, size = 64, 1024
     dtype = torch.float16
     gate, up = (torch.randn(2, size, hidden, generator=gen) / hidden**0.5).to(dtype).unbind(0)
     layer = GateUpSwiGLU(hidden, size).to(dtype)
@@ -74,7 +95,8 @@ def test_layer_loads_interleaved_and_matches_hf_mlp():
     layer.weight.weight_loader(layer.weight, up, 1)
     assert torch.equal(layer.weight, interleaved(gate, up))
     layer = layer.to(DEVICE)
-    for rows in (3, 600):
+    for rows in (3, 128 * num_sms(torch.device(DEVICE))):
         x = torch.randn(rows, hidden, generator=gen).to(dtype).to(DEVICE)
+        assert gate_up_silu_fits(x, layer.weight) == (rows > 3 and gate_up_silu_supported(x, layer.weight))
         want = ACT2FN["silu"](F.linear(x, gate.to(DEVICE))) * F.linear(x, up.to(DEVICE))
         torch.testing.assert_close(layer(x), want, atol=4e-3, rtol=4e-3)
