@@ -59,8 +59,9 @@ def test_reference_is_hf_mlp_activation():
 @pytest.mark.parametrize(
     "rows,n,pays",
     # H200 (132 SMs), gate_up of Qwen3-8B (2 x 12,288) and -0.6B (2 x 3,072): where the kernel
-    # was measured against cuBLAS + the SwiGLU kernel, it pays exactly where it won or tied
-    [(256, 24576, False), (384, 24576, False), (512, 24576, True), (768, 24576, False),
+    # was measured against cuBLAS + the SwiGLU kernel, it pays where it won, tied or lost under
+    # 2% (768 rows of 8B), not where it lost 7% or more
+    [(256, 24576, False), (384, 24576, False), (512, 24576, True), (768, 24576, True),
      (1024, 24576, True), (4096, 24576, True), (16384, 24576, True),
      (256, 6144, False), (512, 6144, False), (768, 6144, False), (1024, 6144, False),
      (4096, 6144, True), (16384, 6144, True)],
