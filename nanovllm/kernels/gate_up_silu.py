@@ -59,8 +59,8 @@ def _gate_up_silu_kernel(
         out_desc.store([off_m, off_n // 2], (act * up).to(dtype))
 
 
-def _block_n(n: int) -> int:
-    return min(TILE[1], triton.next_power_of_2(n))
+def _block_n(n: int, block_n: int = TILE[1]) -> int:
+    return min(block_n, triton.next_power_of_2(n))
 
 
 def gate_up_silu_pays(rows: int, n: int, sms: int) -> bool:
@@ -72,8 +72,9 @@ def gate_up_silu_pays(rows: int, n: int, sms: int) -> bool:
 
 
 def gate_up_silu_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`gate_up_silu` takes these inputs: fp16/bf16, contiguous, rows of whole
-    16-byte units (the tensor descriptors' alignment), on a GPU with TMA (sm_90+)."""
+    """Whether :func:`gate_up_silu` takes these inputs: fp16/bf16, contiguous, starting and
+    with rows in whole 16-byte units (the tensor descriptors' alignment), on a GPU with TMA
+    (sm_90+)."""
     return (
         x.dim() == 2
         and x.dtype in (torch.float16, torch.bfloat16)
@@ -82,6 +83,8 @@ def gate_up_silu_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.is_contiguous()
         and x.shape[1] % 8 == 0
         and weight.shape[0] % 16 == 0
+        and x.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
         and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] >= 9)
     )
 
@@ -105,7 +108,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, tile: tuple | None = Non
     if m == 0:
         return out
     bm, bn, bk, warps, stages, warp_specialize = tile or TILE
-    bn = min(bn, triton.next_power_of_2(n))
+    bn = _block_n(n, bn)
     programs = min(num_sms(x.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
     _gate_up_silu_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [bm, bk]),

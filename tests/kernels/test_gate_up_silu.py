@@ -76,6 +76,7 @@ def test_supported_and_bad_inputs():
     assert gate_up_silu_supported(x, w) == (DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
     assert not gate_up_silu_supported(x.float(), w.float())
     assert not gate_up_silu_supported(x[:, :60], w[:, :60])  # rows not 16-byte multiples, not contiguous
+    assert not gate_up_silu_supported(x.view(-1)[4:-60].view(-1, 64), w)  # starts mid 16 bytes
     assert not gate_up_silu_fits(x, w)  # five tiles: most of one wave idle
     with pytest.raises(ValueError, match="16-byte"):
         gate_up_silu(x.float(), w.float())
