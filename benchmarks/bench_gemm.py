@@ -120,7 +120,7 @@ def graph_us(calls: list, rep_ms: int) -> float:
 
 
 def linear_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return silu_and_mul(F.linear(x, w), interleaved=True)
+    return silu_and_mul(F.linear(x, w))
 
 
 def time_library(library: str, xs, ws, rep_ms: int, swiglu: bool = False) -> float:

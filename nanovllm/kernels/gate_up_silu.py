@@ -30,7 +30,7 @@ def gate_up_silu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Plain-torch reference. ``x``: ``[tokens, hidden]``; ``weight``: ``[2 * size, hidden]``,
     gate and up rows interleaved. Returns ``[tokens, size]``: silu(gate) * up, the projection,
     silu and the product each rounded to ``x.dtype`` as Hugging Face's MLP rounds them."""
-    return silu_and_mul_ref(F.linear(x, weight), interleaved=True)
+    return silu_and_mul_ref(F.linear(x, weight))
 
 
 @triton.jit
@@ -66,8 +66,9 @@ def _block_n(n: int, block_n: int = TILE[1]) -> int:
 def gate_up_silu_pays(rows: int, n: int, sms: int) -> bool:
     """Whether the kernel beats cuBLAS + the SwiGLU kernel for ``rows`` x ``n`` (``2 * size``)
     outputs on ``sms`` SMs: whether its tiles, in waves of ``sms``, are mostly useful work."""
-    tiles = triton.cdiv(rows, TILE[0]) * triton.cdiv(n, _block_n(n))
-    slots = triton.cdiv(tiles, sms) * sms * TILE[0] * _block_n(n)
+    block_n = _block_n(n)
+    tiles = triton.cdiv(rows, TILE[0]) * triton.cdiv(n, block_n)
+    slots = triton.cdiv(tiles, sms) * sms * TILE[0] * block_n
     return rows * n >= _MIN_WAVE_USE * slots
 
 

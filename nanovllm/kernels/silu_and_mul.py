@@ -1,4 +1,6 @@
-"""SwiGLU's ``silu(gate) * up`` on a fused gate/up projection, one pass over memory."""
+"""SwiGLU's ``silu(gate) * up`` on a fused gate/up projection whose gate and up columns are
+interleaved (gate ``j`` at ``2j``, up ``j`` at ``2j + 1``, as the engine stores the weight), one
+pass over memory."""
 
 import torch
 import torch.nn.functional as F
@@ -9,35 +11,27 @@ _BLOCK = 1024  # output columns per program
 _NUM_WARPS = 4
 
 
-def silu_and_mul_ref(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """``x``: ``[tokens, 2 * size]``, gate then up (``interleaved``: gate ``j`` at ``2j``, up
-    ``j`` at ``2j + 1``). Returns ``[tokens, size]``: silu(gate) * up, each of the two ops
-    rounded to ``x.dtype`` as Hugging Face's MLP rounds them."""
-    gate, up = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """``x``: ``[tokens, 2 * size]``, gate and up interleaved. Returns ``[tokens, size]``:
+    silu(gate) * up, each of the two ops rounded to ``x.dtype`` as Hugging Face's MLP rounds
+    them."""
+    return F.silu(x[..., 0::2]) * x[..., 1::2]
 
 
 @triton.jit
-def _silu_and_mul_kernel(
-    x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr
-):
+def _silu_and_mul_kernel(x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
-    if INTERLEAVED:  # one [BLOCK, 2] load of (gate, up) pairs
-        pairs = tl.load(
-            x_ptr + row * stride_x + 2 * cols[:, None] + tl.arange(0, 2)[None, :], mask=mask[:, None]
-        )
-        gate, up = tl.split(pairs.to(tl.float32))
-    else:
-        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask).to(tl.float32)
-        up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask).to(tl.float32)
+    # one [BLOCK, 2] load of (gate, up) pairs
+    pairs = tl.load(x_ptr + row * stride_x + 2 * cols[:, None] + tl.arange(0, 2)[None, :], mask=mask[:, None])
+    gate, up = tl.split(pairs.to(tl.float32))
     # silu rounded to the activation dtype before the product, as the reference does
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Triton version of :func:`silu_and_mul_ref` (same semantics); ``x`` needs unit stride in
     its last dimension."""
     if x.shape[-1] % 2:
@@ -50,7 +44,6 @@ def silu_and_mul(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     if out.numel():
         grid = (x2d.shape[0], triton.cdiv(size, _BLOCK))
         _silu_and_mul_kernel[grid](
-            x2d, out, size, x2d.stride(0), out.stride(0),
-            BLOCK=_BLOCK, INTERLEAVED=interleaved, num_warps=_NUM_WARPS,
-        )  # fmt: skip
+            x2d, out, size, x2d.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=_NUM_WARPS
+        )
     return out.view(*x.shape[:-1], size)

@@ -27,7 +27,7 @@ class GateUpSwiGLU(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda:
-            return silu_and_mul_ref(F.linear(x, self.weight), interleaved=True)
+            return silu_and_mul_ref(F.linear(x, self.weight))
         if gate_up_silu_fits(x, self.weight):
             return gate_up_silu(x, self.weight)
-        return silu_and_mul(F.linear(x, self.weight), interleaved=True)
+        return silu_and_mul(F.linear(x, self.weight))
