@@ -11,6 +11,7 @@ instructions: a tile loop's body counts once.
 import collections
 import re
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -27,39 +28,41 @@ def compile_ptx(kernel, pointers: dict[str, str], constexprs: dict, num_warps: i
     """PTX and shared-memory bytes of ``kernel`` for sm_90; ``pointers`` maps pointer arguments
     to element types, other arguments are 32-bit (``qk_scale`` fp32)."""
     names, unspecialised = kernel.arg_names, set(kernel.do_not_specialize)
-    signature = {
-        n: "constexpr"
-        if n in constexprs
-        else "*" + pointers[n]
-        if n in pointers
-        else "fp32"
-        if n == "qk_scale"
-        else "i32"
-        for n in names
-    }
-    divisible = [n for n in names if n not in constexprs and n not in unspecialised and n != "qk_scale"]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
+
+    def arg_type(name: str) -> str:
+        if name in constexprs:
+            return "constexpr"
+        if name in pointers:
+            return "*" + pointers[name]
+        return "fp32" if name == "qk_scale" else "i32"
+
+    # pointers and integers that Triton's launcher would mark divisible by 16
+    divisible = [n for n in names if arg_type(n) == "i32" or n in pointers]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible if n not in unspecialised}
+    constants = {(names.index(k),): v for k, v in constexprs.items()}
+    source = ASTSource(kernel, {n: arg_type(n) for n in names}, constants, attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     return compiled.asm["ptx"], compiled.metadata.shared
 
 
-def decode_ptx(cache_dtype: str, one_split: bool):
-    """The decode kernel as ``paged_decode_attention`` launches it (``cache_dtype``: bf16, fp8e4nv)."""
-    float8 = cache_dtype == "fp8e4nv"
-    block_n = (128 if float8 else 64) if one_split else decode_attention._SPLIT_BLOCK_N
-    stages = decode_attention._FINAL_STAGES if one_split else decode_attention._SPLIT_STAGES
-    partial_dtype = "bf16" if one_split else "fp32"
+def decode_ptx(cache_dtype: str, num_splits: int):
+    """The decode kernel as ``paged_decode_attention`` launches it with ``num_splits`` splits
+    (``cache_dtype``: bf16, fp8e4nv)."""
+    cache_bytes = 1 if cache_dtype == "fp8e4nv" else 2
+    block_n, stages, warps, f16_dot = decode_attention.launch_settings(
+        num_splits, 128, cache_bytes, torch.bfloat16
+    )
+    partial_dtype = "bf16" if num_splits == 1 else "fp32"
     pointers = dict(
         q_ptr="bf16", k_cache_ptr=cache_dtype, v_cache_ptr=cache_dtype, block_tables_ptr="i32",
         context_lens_ptr="i32", order_ptr="i32", out_ptr=partial_dtype, lse_ptr=partial_dtype,
     )  # fmt: skip
     constexprs = dict(
-        GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=128, BLOCK_N=block_n, SPLIT_ALIGN=16, FINAL=one_split,
-        HAS_ORDER=False, DOT_PRECISION="tf32", F16_DOT=one_split and float8,
+        GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=128, BLOCK_N=block_n, SPLIT_ALIGN=16,
+        FINAL=num_splits == 1, HAS_ORDER=False, DOT_PRECISION="tf32", F16_DOT=f16_dot,
     )  # fmt: skip
-    return compile_ptx(decode_attention._decode_split_kernel, pointers, constexprs, 4, stages)
+    return compile_ptx(decode_attention._decode_split_kernel, pointers, constexprs, warps, stages)
 
 
 def prefill_ptx(cache_dtype: str):
@@ -83,20 +86,15 @@ def instruction_counts(ptx: str) -> collections.Counter:
 
 
 def main() -> None:
-    cases = {
-        f"{kind} attention, {dtype} cache{suffix}": build
-        for dtype in ("bf16", "fp8e4nv")
-        for kind, suffix, build in (
-            ("decode", ", one split", lambda d=dtype: decode_ptx(d, True)),
-            ("decode", ", splits", lambda d=dtype: decode_ptx(d, False)),
-            ("prefill", "", lambda d=dtype: prefill_ptx(d)),
-        )
-    }
-    for label, build in cases.items():
-        ptx, shared = build()
-        print(f"{label}: {shared} B shared memory")
-        for op, n in sorted(instruction_counts(ptx).items(), key=lambda item: -item[1]):
-            print(f"  {n:5d} {op}")
+    for dtype in ("bf16", "fp8e4nv"):
+        for label, (ptx, shared) in (
+            (f"decode attention, {dtype} cache, one split", decode_ptx(dtype, 1)),
+            (f"decode attention, {dtype} cache, splits", decode_ptx(dtype, 8)),
+            (f"prefill attention, {dtype} cache", prefill_ptx(dtype)),
+        ):
+            print(f"{label}: {shared} B shared memory")
+            for op, n in sorted(instruction_counts(ptx).items(), key=lambda item: -item[1]):
+                print(f"  {n:5d} {op}")
 
 
 if __name__ == "__main__":

@@ -134,6 +134,18 @@ def _decode_split_kernel(
         tl.store(lse_ptr + row_offs // HEAD_DIM, lse, mask=g_mask)
 
 
+def launch_settings(
+    num_splits: int, head_dim: int, cache_element_size: int, q_dtype: torch.dtype
+) -> tuple[int, int, int, bool]:
+    """(tile tokens, stages, warps, fp16 dot) of a launch with ``num_splits`` splits."""
+    if num_splits == 1:
+        block_n = min(128, _FINAL_TILE_BYTES // (head_dim * cache_element_size))
+        f16_dot = cache_element_size == 1 and q_dtype == torch.bfloat16
+        return block_n, _FINAL_STAGES, _NUM_WARPS, f16_dot
+    num_warps = _FEW_SPLITS_WARPS if num_splits <= _FEW_SPLITS else _NUM_WARPS
+    return _SPLIT_BLOCK_N, _SPLIT_STAGES, num_warps, False
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -173,13 +185,12 @@ def paged_decode_attention(
         return out
     if num_splits == 1:
         part, lse = out, out  # lse is unused when the kernel writes the final output
-        block_n = min(128, _FINAL_TILE_BYTES // (head_dim * k_cache.element_size()))
-        num_stages, num_warps = _FINAL_STAGES, _NUM_WARPS
     else:
-        block_n, num_stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
-        num_warps = _FEW_SPLITS_WARPS if num_splits <= _FEW_SPLITS else _NUM_WARPS
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device)
+    block_n, num_stages, num_warps, f16_dot = launch_settings(
+        num_splits, head_dim, k_cache.element_size(), q.dtype
+    )
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q,
         k_cache,
@@ -205,7 +216,7 @@ def paged_decode_attention(
         FINAL=num_splits == 1,
         HAS_ORDER=row_order is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        F16_DOT=num_splits == 1 and k_cache.element_size() == 1 and q.dtype == torch.bfloat16,
+        F16_DOT=f16_dot,
         num_warps=num_warps,
         num_stages=num_stages,
     )

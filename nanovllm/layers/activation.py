@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.gate_up_silu import gate_up_silu, gate_up_silu_fits
-from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from nanovllm.kernels.gate_up_silu import gate_up_silu, gate_up_silu_fits, gate_up_silu_ref
+from nanovllm.kernels.silu_and_mul import silu_and_mul
 from nanovllm.layers.linear import ColumnParallelLinear
 from nanovllm.layers.parallel import TPGroup
 
@@ -27,7 +27,7 @@ class GateUpSwiGLU(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda:
-            return silu_and_mul_ref(F.linear(x, self.weight))
+            return gate_up_silu_ref(x, self.weight)
         if gate_up_silu_fits(x, self.weight):
             return gate_up_silu(x, self.weight)
         return silu_and_mul(F.linear(x, self.weight))
