@@ -24,6 +24,7 @@ from triton.testing import do_bench
 
 from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.decode_reduce import default_num_splits, num_sms
+from nanovllm.kernels.store_kvcache import as_token_major, v_token_major_for
 
 HEAD_DIM = 128
 DTYPE = torch.bfloat16
@@ -65,10 +66,13 @@ def bench_decode(
     num_blocks = batch * blocks_per_seq
     num_heads, num_kv_heads = heads
     shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
-    caches = [
-        tuple(torch.randn(shape, dtype=DTYPE, device="cuda").to(cache_dtype) for _ in range(2))
-        for _ in range(layers)
-    ]
+
+    def cache(token_major: bool) -> torch.Tensor:
+        data = torch.randn(shape, dtype=DTYPE, device="cuda").to(cache_dtype)
+        return as_token_major(data) if token_major else data
+
+    # V in the engine's layout for this dtype
+    caches = [(cache(False), cache(v_token_major_for(cache_dtype))) for _ in range(layers)]
     # Shuffled blocks, as a real cache fragments over time.
     perm = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
     tables = perm.view(batch, blocks_per_seq)

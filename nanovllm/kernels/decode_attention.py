@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.decode_reduce import combine_splits, default_num_splits, num_sms
+from nanovllm.kernels.store_kvcache import is_token_major
 
 _LOG2E = 1.4426950408889634
 _MIN_ROWS = 16  # tl.dot needs M >= 16: the GQA group is padded up to this
@@ -53,20 +54,58 @@ def paged_decode_attention_ref(
     return out
 
 
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, k_base, v_base, bt_row, tile, end, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax update with the tokens ``tile .. tile + BLOCK_N - 1`` before ``end``."""
+    toks = tile + tl.arange(0, BLOCK_N)
+    t_mask = toks < end
+    if V_TOKEN_MAJOR:  # tiles start on multiples of BLOCK_N, which divides BLOCK_SIZE
+        blk = tl.load(bt_row + tile // BLOCK_SIZE).to(tl.int64)
+        row = tl.multiple_of(tile % BLOCK_SIZE, BLOCK_N) + tl.arange(0, BLOCK_N)
+    else:  # masked lanes never touch the table, so padding entries (-1, garbage) are never used
+        blk = tl.load(bt_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        row = toks % BLOCK_SIZE
+    k = tl.load(k_base + (blk * stride_kb + row * stride_kt)[:, None], mask=t_mask[:, None], other=0.0)
+    k = k.to(q.dtype)  # a float8 cache holds K/V at scale 1
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(t_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_TOKEN_MAJOR:  # v_base spans head_dim down its rows: V^T, tokens contiguous
+        # Whole tiles, unmasked (a mask along the tokens would cut the loads to single bytes):
+        # the tile lies in one allocated block, and a token-major V holds only finite values,
+        # which p == 0 cancels.
+        v = tl.trans(tl.load(v_base + blk * stride_vb + row[None, :]).to(q.dtype))
+    else:
+        v = tl.load(v_base + (blk * stride_vb + row * stride_vt)[:, None], mask=t_mask[:, None], other=0.0)
+        v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
 # sizes that vary step to step are not specialised on, so they trigger no recompilation
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, order_ptr, out_ptr, lse_ptr,
     qk_scale, num_splits, stride_qb, stride_qh,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_ob, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, stride_bt,
+    stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr, FINAL: tl.constexpr, HAS_ORDER: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr,
 ):  # fmt: skip
     """One program: all GROUP query heads of one KV head over one split of one sequence.
 
     With FINAL (a single split) it writes the output; otherwise the normalised partial output
     to ``out[seq, head, split]`` (fp32) and its base-2 log-sum-exp to ``lse[seq, head, split]``.
+    A token-major V (V_TOKEN_MAJOR) is read by whole tiles inside one cache block, slots past
+    the context included: the launcher makes SPLIT_ALIGN a multiple of BLOCK_N and BLOCK_N a
+    divisor of BLOCK_SIZE.
     """
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_ORDER:  # programs start in launch order; this one takes the row named here
@@ -80,7 +119,6 @@ def _decode_split_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     q_offs = seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
@@ -88,36 +126,20 @@ def _decode_split_kernel(
     if F16_DOT:  # float8 K/V widen to fp16 in one instruction, to bf16 in more
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
-    v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
+    if V_TOKEN_MAJOR:
+        v_base = v_cache_ptr + kv_head * stride_vh + offs_d[:, None] * stride_vd
+    else:
+        v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for tile in range(start, end, BLOCK_N):
-        toks = tile + offs_n
-        t_mask = toks < end
-        # Masked lanes never touch the table, so padding entries (-1, garbage) are never used.
-        blk = tl.load(bt_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        row = toks % BLOCK_SIZE
-        k = tl.load(
-            k_base + blk[:, None] * stride_kb + row[:, None] * stride_kt,
-            mask=t_mask[:, None],
-            other=0.0,
-        ).to(q.dtype)  # a float8 cache holds K/V at scale 1
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + blk[:, None] * stride_vb + row[:, None] * stride_vt,
-            mask=t_mask[:, None],
-            other=0.0,
-        ).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_base, v_base, bt_row, tile, end, qk_scale, stride_kb, stride_kt,
+            stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, V_TOKEN_MAJOR, DOT_PRECISION,
+        )  # fmt: skip
 
     # An empty split has l_i == 0: write zeros and lse = -inf so the reduce gives it no weight.
     nonempty = l_i > 0
@@ -135,15 +157,25 @@ def _decode_split_kernel(
 
 
 def launch_settings(
-    num_splits: int, head_dim: int, cache_element_size: int, q_dtype: torch.dtype
+    num_splits: int,
+    head_dim: int,
+    cache_element_size: int,
+    q_dtype: torch.dtype,
+    v_token_major_block: int = 0,
 ) -> tuple[int, int, int, bool]:
-    """(tile tokens, stages, warps, fp16 dot) of a launch with ``num_splits`` splits."""
+    """(tile tokens, stages, warps, fp16 dot) of a launch with ``num_splits`` splits; for a
+    token-major V, ``v_token_major_block`` is the cache's block size (tiles lie inside one)."""
+    f16_dot = cache_element_size == 1 and q_dtype == torch.bfloat16
     if num_splits == 1:
         block_n = min(128, _FINAL_TILE_BYTES // (head_dim * cache_element_size))
-        f16_dot = cache_element_size == 1 and q_dtype == torch.bfloat16
-        return block_n, _FINAL_STAGES, _NUM_WARPS, f16_dot
-    num_warps = _FEW_SPLITS_WARPS if num_splits <= _FEW_SPLITS else _NUM_WARPS
-    return _SPLIT_BLOCK_N, _SPLIT_STAGES, num_warps, False
+        stages, num_warps = _FINAL_STAGES, _NUM_WARPS
+    else:
+        block_n, stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
+        num_warps = _FEW_SPLITS_WARPS if num_splits <= _FEW_SPLITS else _NUM_WARPS
+        f16_dot = f16_dot and v_token_major_block > 0
+    if v_token_major_block:
+        block_n = min(block_n, v_token_major_block)
+    return block_n, stages, num_warps, f16_dot
 
 
 def paged_decode_attention(
@@ -163,7 +195,8 @@ def paged_decode_attention(
     Each program reads a KV tile once for all query heads of its GQA group. The context is
     cut into ``num_splits`` pieces (default :func:`default_num_splits`) combined by a second
     kernel. No host syncs; the grid depends only on shapes, so it is CUDA-graph safe.
-    Needs a power-of-two head_dim >= 16 and ``stride(-1) == 1`` for q and the caches.
+    Needs a power-of-two head_dim >= 16, ``stride(-1) == 1`` for q and k_cache, and a
+    dim-major or token-major v_cache (:mod:`~nanovllm.kernels.store_kvcache`).
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -171,8 +204,9 @@ def paged_decode_attention(
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError("num_heads must be a multiple of num_kv_heads")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q, k_cache and v_cache need a unit stride in the last dimension")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("q and k_cache need a unit stride in the last dimension")
+    v_token_major = is_token_major(v_cache)
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = default_num_splits(
@@ -189,7 +223,7 @@ def paged_decode_attention(
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device)
     block_n, num_stages, num_warps, f16_dot = launch_settings(
-        num_splits, head_dim, k_cache.element_size(), q.dtype
+        num_splits, head_dim, k_cache.element_size(), q.dtype, block_size if v_token_major else 0
     )
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q,
@@ -204,7 +238,7 @@ def paged_decode_attention(
         num_splits,
         *q.stride()[:2],
         *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
+        *v_cache.stride(),
         block_tables.stride(0),
         *part.stride()[:2],
         GROUP=group,
@@ -212,9 +246,10 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
-        SPLIT_ALIGN=_SPLIT_ALIGN,
+        SPLIT_ALIGN=max(_SPLIT_ALIGN, block_n) if v_token_major else _SPLIT_ALIGN,
         FINAL=num_splits == 1,
         HAS_ORDER=row_order is not None,
+        V_TOKEN_MAJOR=v_token_major,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         F16_DOT=f16_dot,
         num_warps=num_warps,

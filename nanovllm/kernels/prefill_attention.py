@@ -4,6 +4,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.store_kvcache import is_token_major
+
 _LOG2E = 1.4426950408889634
 # Tiles measured on H200 (bf16, head_dim 128): 128 (token, head) rows per program against
 # 64-key tiles, 4 warps, 3 stages; 4-byte activations (fp32 tests) halve both so that the
@@ -80,18 +82,20 @@ def _attend_tile(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax update with the keys ``tile .. tile + BLOCK_N - 1``. Unmasked tiles lie
-    before ``kv_end`` and before every row's position."""
+    before ``kv_end`` and before every row's position. A token-major V's ``v_base`` spans
+    head_dim down its rows (the launcher then makes BLOCK_N divide BLOCK_SIZE)."""
     keys = tile + tl.arange(0, BLOCK_N)
     if BLOCK_SIZE % BLOCK_N == 0:  # tiles start at multiples of BLOCK_N: one cache block each
         blk = tl.load(bt_row + tile // BLOCK_SIZE).to(tl.int64)
+        row = tl.multiple_of(tile % BLOCK_SIZE, BLOCK_N) + tl.arange(0, BLOCK_N)
     else:  # masked lanes never touch the table, so padding entries are never used
         blk = tl.load(bt_row + keys // BLOCK_SIZE, mask=keys < kv_end, other=0).to(tl.int64)
-    row = keys % BLOCK_SIZE
+        row = keys % BLOCK_SIZE
     k_ptrs = k_base + (blk * stride_kb + row * stride_kt)[:, None]
-    v_ptrs = v_base + (blk * stride_vb + row * stride_vt)[:, None]
     if MASKED:
         k = tl.load(k_ptrs, mask=(keys < kv_end)[:, None], other=0.0)
     else:
@@ -104,11 +108,15 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(v_ptrs, mask=(keys < kv_end)[:, None], other=0.0)
+    if V_TOKEN_MAJOR:  # whole tiles of an allocated block, unmasked, as in decode
+        v = tl.trans(tl.load(v_base + blk * stride_vb + row[None, :]).to(q.dtype))
     else:
-        v = tl.load(v_ptrs)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        v_ptrs = v_base + (blk * stride_vb + row * stride_vt)[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=(keys < kv_end)[:, None], other=0.0).to(q.dtype)
+        else:
+            v = tl.load(v_ptrs).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -133,12 +141,14 @@ def _prefill_kernel(
     stride_vb,
     stride_vt,
     stride_vh,
+    stride_vd,
     stride_bt,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program: BLOCK_M rows of one sequence and KV head, a row being (new token, head).
@@ -170,7 +180,10 @@ def _prefill_kernel(
         other=0.0,
     )
     k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
-    v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
+    if V_TOKEN_MAJOR:
+        v_base = v_cache_ptr + kv_head * stride_vh + offs_d[:, None] * stride_vd
+    else:
+        v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Keys needed by the last real token of this tile; key 0 is visible to every row.
     kv_end = prefix + tl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1) + 1
@@ -183,12 +196,14 @@ def _prefill_kernel(
     for tile in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_base, v_base, bt_row, tile, kv_end, pos, qk_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, False, V_TOKEN_MAJOR,
+            DOT_PRECISION,
         )  # fmt: skip
     for tile in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_base, v_base, bt_row, tile, kv_end, pos, qk_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, True, V_TOKEN_MAJOR,
+            DOT_PRECISION,
         )  # fmt: skip
 
     acc = acc / l_i[:, None]
@@ -210,7 +225,8 @@ def paged_prefill_attention(
 
     ``max_seqlen_q`` (host int, >= every q_len) sizes the grid. Each program covers BLOCK_M
     (token, query head) pairs of one KV head, so K/V tiles are shared across the GQA group.
-    Needs a power-of-two head_dim >= 16 and ``stride(-1) == 1`` for q and the caches.
+    Needs a power-of-two head_dim >= 16, ``stride(-1) == 1`` for q and k_cache, and a
+    dim-major or token-major v_cache (:mod:`~nanovllm.kernels.store_kvcache`).
     """
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -218,14 +234,17 @@ def paged_prefill_attention(
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError("num_heads must be a multiple of num_kv_heads")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q, k_cache and v_cache need a unit stride in the last dimension")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("q and k_cache need a unit stride in the last dimension")
+    v_token_major = is_token_major(v_cache)
     group = num_heads // num_kv_heads
     batch = cu_seqlens_q.shape[0] - 1
     out = torch.empty_like(q)
     if total_q == 0 or batch == 0:
         return out
     block_m, block_n, num_stages = _tiles(head_dim, q.element_size())
+    if v_token_major:  # whole tiles inside one block
+        block_n = min(block_n, block_size)
     grid = (num_kv_heads, batch, triton.cdiv(max_seqlen_q * group, block_m))
     _prefill_kernel[grid](
         q,
@@ -241,13 +260,14 @@ def paged_prefill_attention(
         out.stride(0),
         out.stride(1),
         *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
+        *v_cache.stride(),
         block_tables.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        V_TOKEN_MAJOR=v_token_major,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=_NUM_WARPS,
         num_stages=num_stages,

@@ -1,12 +1,12 @@
 """Between the qkv projection and attention, in one kernel: per-head RMSNorm of q and k
 (Qwen3's q_norm/k_norm, optional), the rotary embedding (rotate-half layout), and the store
-of this step's k and v into the paged KV cache (layout as in :mod:`store_kvcache`)."""
+of this step's k and v into the paged KV cache (layouts as in :mod:`store_kvcache`)."""
 
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.store_kvcache import store_kvcache_ref
+from nanovllm.kernels.store_kvcache import is_token_major, store_kvcache_ref
 
 
 def _norm_rope_ref(
@@ -84,14 +84,21 @@ def _qk_norm_rope_store_kernel(
     stride_vt,
     stride_vh,
     stride_cs,
+    stride_vcb,
+    stride_vch,
+    stride_vcd,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr,
+    V_LARGEST: tl.constexpr,
 ):
-    """One program per token: all its q heads and kv heads."""
+    """One program per token: all its q heads and kv heads. The V cache's strides (block,
+    head, dim) are read only when it is token-major."""
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     offs = tl.arange(0, HALF)[None, :]
@@ -113,8 +120,16 @@ def _qk_norm_rope_store_kernel(
         v_row = v_ptr + token * stride_vt + hk * stride_vh + offs
         v1 = tl.load(v_row, mask=k_mask)
         v2 = tl.load(v_row + HALF, mask=k_mask)
+        if V_TOKEN_MAJOR:  # finite values only (see store_kvcache)
+            v1 = tl.clamp(tl.where(v1 == v1, v1.to(tl.float32), 0.0), -V_LARGEST, V_LARGEST)
+            v2 = tl.clamp(tl.where(v2 == v2, v2.to(tl.float32), 0.0), -V_LARGEST, V_LARGEST)
+            cache = (slot // BLOCK_SIZE) * stride_vcb + slot % BLOCK_SIZE
+            cache += hk * stride_vch + offs * stride_vcd
+            half = HALF * stride_vcd
+        else:
+            half = HALF
         tl.store(v_cache_ptr + cache, v1.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
-        tl.store(v_cache_ptr + cache + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
+        tl.store(v_cache_ptr + cache + half, v2.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
 
 
 def qk_norm_rope_store(
@@ -138,8 +153,11 @@ def qk_norm_rope_store(
         raise ValueError(f"head_dim must be a power of two, got {head_dim}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v need a unit stride in the last dimension")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin_cache.is_contiguous()):
-        raise ValueError("the caches and cos_sin_cache must be contiguous")
+    v_token_major = is_token_major(v_cache)
+    if not (k_cache.is_contiguous() and cos_sin_cache.is_contiguous()):
+        raise ValueError("k_cache and cos_sin_cache must be contiguous")
+    if not (v_token_major or v_cache.is_contiguous()):
+        raise ValueError("v_cache must be contiguous or token-major")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("q_weight and k_weight go together")
     if num_tokens == 0:
@@ -164,11 +182,17 @@ def qk_norm_rope_store(
         v.stride(0),
         v.stride(1),
         cos_sin_cache.stride(0),
+        v_cache.stride(0),
+        v_cache.stride(2),
+        v_cache.stride(3),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         HALF=head_dim // 2,
         HAS_NORM=has_norm,
+        BLOCK_SIZE=k_cache.shape[1],
+        V_TOKEN_MAJOR=v_token_major,
+        V_LARGEST=torch.finfo(v_cache.dtype).max,
     )
     return q, k

@@ -27,9 +27,11 @@ def make_cache(
     dtype: torch.dtype,
     pad: str = "neg",
     seed: int = 0,
+    token_major_v: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random caches with shuffled blocks; table entries past each sequence's end are padding:
-    -1 (``pad="neg"``) or real blocks of other sequences (``pad="garbage"``)."""
+    -1 (``pad="neg"``) or real blocks of other sequences (``pad="garbage"``). V is stored
+    token-major when asked, as the engine stores a float8 V."""
     gen = torch.Generator().manual_seed(seed)
     used = [(c + block_size - 1) // block_size for c in context_lens]
     max_blocks = max(used) + 2
@@ -48,6 +50,8 @@ def make_cache(
         tables[b, :n] = perm[start : start + n]
         start += n
     lens = torch.tensor(context_lens, dtype=torch.int32)
+    if token_major_v:
+        v_cache = store.as_token_major(torch.empty_like(v_cache)).copy_(v_cache)
     return k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE), lens.to(DEVICE)
 
 
@@ -84,7 +88,8 @@ def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kvcache_ref(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("token_major_v", [False, True], ids=["v_dim_major", "v_token_major"])
+def test_store_kvcache_ref(dtype: torch.dtype, token_major_v: bool) -> None:
     num_tokens, num_kv_heads, head_dim, block_size = 11, 2, 64, 16
     qkv = make_q(num_tokens, 4, num_kv_heads, head_dim, dtype)._base
     key, value = qkv[:, 4:6], qkv[:, 6:8]  # strided views, as split from a fused qkv
@@ -99,6 +104,8 @@ def test_store_kvcache_ref(dtype: torch.dtype) -> None:
             expected_v.view(-1, num_kv_heads, head_dim)[s] = value[t]
     slots = slots.to(DEVICE)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    if token_major_v:
+        ref_v = store.as_token_major(torch.empty_like(ref_v)).copy_(ref_v)
     store.store_kvcache_ref(key, value, ref_k, ref_v, slots)
     assert torch.equal(ref_k, expected_k) and torch.equal(ref_v, expected_v)
 
@@ -115,13 +122,17 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("token_major_v", [False, True], ids=["v_dim_major", "v_token_major"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim,num_splits,pad", DECODE_CASES)
-def test_decode_attention(block_size, num_kv_heads, head_dim, num_splits, pad, dtype) -> None:
+def test_decode_attention(block_size, num_kv_heads, head_dim, num_splits, pad, dtype, token_major_v) -> None:
     lens = [1, block_size, block_size + 1, 3 * block_size - 5, 4 * block_size]
     if block_size == 64:
         lens = [1, 65, 130, 7]
-    k_cache, v_cache, tables, ctx = make_cache(lens, block_size, num_kv_heads, head_dim, dtype, pad)
+    k_cache, v_cache, tables, ctx = make_cache(
+        lens, block_size, num_kv_heads, head_dim, dtype, pad, token_major_v=token_major_v
+    )
+    assert store.is_token_major(v_cache) == token_major_v
     q = make_q(len(lens), 8, num_kv_heads, head_dim, dtype)
     scale = head_dim**-0.5
     out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits)
@@ -137,12 +148,15 @@ def test_decode_attention_combines_many_splits() -> None:
     check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.2), torch.float32)
 
 
+@pytest.mark.parametrize("token_major_v", [False, True], ids=["v_dim_major", "v_token_major"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention_in_a_given_row_order(num_splits) -> None:
+def test_decode_attention_in_a_given_row_order(num_splits, token_major_v) -> None:
     """Programs take their rows from ``row_order`` (longest first here; -1 keeps a row in its
     own place): every row still gets its own output."""
     lens = [5, 70, 33, 1, 48, 17]
-    k_cache, v_cache, tables, ctx = make_cache(lens, 16, 2, 64, torch.float32, "garbage")
+    k_cache, v_cache, tables, ctx = make_cache(
+        lens, 16, 2, 64, torch.float32, "garbage", token_major_v=token_major_v
+    )
     q = make_q(len(lens), 8, 2, 64, torch.float32)
     # the first four rows longest first, the last two (as a CUDA graph's padding) in place
     order = torch.tensor([1, 2, 0, 3, -1, -1], dtype=torch.int32, device=DEVICE)
@@ -179,9 +193,13 @@ def test_bad_head_dim() -> None:
         pre.paged_prefill_attention(q, k_cache, v_cache, cu, ctx, tables, 1.0, 1)
 
 
-def prefill_inputs(prefixes, q_lens, block_size, num_kv_heads, head_dim, dtype, pad="neg"):
+def prefill_inputs(
+    prefixes, q_lens, block_size, num_kv_heads, head_dim, dtype, pad="neg", token_major_v=False
+):
     lens = [p + n for p, n in zip(prefixes, q_lens)]
-    k_cache, v_cache, tables, ctx = make_cache(lens, block_size, num_kv_heads, head_dim, dtype, pad)
+    k_cache, v_cache, tables, ctx = make_cache(
+        lens, block_size, num_kv_heads, head_dim, dtype, pad, token_major_v=token_major_v
+    )
     q = make_q(sum(q_lens), 8, num_kv_heads, head_dim, dtype)
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().to(DEVICE)
     return q, k_cache, v_cache, cu, ctx, tables
@@ -198,10 +216,11 @@ PREFILL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("token_major_v", [False, True], ids=["v_dim_major", "v_token_major"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim,prefixes,q_lens,pad", PREFILL_CASES)
-def test_prefill_attention(block_size, num_kv_heads, head_dim, prefixes, q_lens, pad, dtype):
-    args = prefill_inputs(prefixes, q_lens, block_size, num_kv_heads, head_dim, dtype, pad)
+def test_prefill_attention(block_size, num_kv_heads, head_dim, prefixes, q_lens, pad, dtype, token_major_v):
+    args = prefill_inputs(prefixes, q_lens, block_size, num_kv_heads, head_dim, dtype, pad, token_major_v)
     scale = head_dim**-0.5
     out = pre.paged_prefill_attention(*args, scale, max(q_lens))
     check(out, pre.paged_prefill_attention_ref(*args, scale), dtype)
@@ -227,14 +246,16 @@ def test_decode_matches_prefill_q_len_1() -> None:
     torch.testing.assert_close(out, dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, 2))
 
 
+@pytest.mark.parametrize("token_major_v", [False, True], ids=["v_dim_major", "v_token_major"])
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_float8_cache_is_read_at_scale_1(dtype, num_splits) -> None:
+def test_float8_cache_is_read_at_scale_1(dtype, num_splits, token_major_v) -> None:
     """Decode and prefill over a float8 (e4m3) cache equal the references, which read it at
     scale 1: the kernels dequantise K/V exactly as the references do."""
     lens = [1, 16, 33, 70]
-    k_cache, v_cache, tables, ctx = make_cache(lens, 16, 2, 64, dtype)
+    k_cache, v_cache, tables, ctx = make_cache(lens, 16, 2, 64, dtype, token_major_v=token_major_v)
     k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    assert store.is_token_major(v_cache) == token_major_v  # .to() keeps the layout
     q = make_q(len(lens), 8, 2, 64, dtype)
     out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, num_splits)
     check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.125), dtype)
@@ -243,3 +264,44 @@ def test_float8_cache_is_read_at_scale_1(dtype, num_splits) -> None:
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().to(DEVICE)
     args = (q, k_cache, v_cache, cu, ctx, tables, 0.125)
     check(pre.paged_prefill_attention(*args, max(q_lens)), pre.paged_prefill_attention_ref(*args), dtype)
+
+
+@pytest.mark.parametrize("token_major_v", [False, True], ids=["v_dim_major", "v_token_major"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_nan_past_the_context_stays_out(num_splits, token_major_v) -> None:
+    """An earlier request left NaN in the slots past each sequence's context: they reach
+    neither decode nor prefill. A dim-major V is masked; a token-major V is read whole, so
+    there the NaN goes through the store, which keeps it finite."""
+    lens = [5, 32, 40, 17]
+    k_cache, v_cache, tables, ctx = make_cache(lens, 32, 2, 64, torch.float32, token_major_v=token_major_v)
+    live = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device=DEVICE)
+    for b, n in enumerate(lens):
+        for t in range(n):
+            live[tables[b, t // 32], t % 32] = True
+    dead = (~live).flatten().nonzero().flatten()
+    nans = torch.full((dead.numel(), 2, 64), float("nan"), device=DEVICE)
+    store.store_kvcache_ref(nans, nans, k_cache, v_cache, dead)
+    assert k_cache[~live].isnan().all()
+    assert (v_cache[~live] == 0).all() if token_major_v else v_cache[~live].isnan().all()
+    q = make_q(len(lens), 8, 2, 64, torch.float32)
+    out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, num_splits)
+    check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.2), torch.float32)
+    q_lens = [5, 3, 40, 1]
+    q = make_q(sum(q_lens), 8, 2, 64, torch.float32)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().to(DEVICE)
+    args = (q, k_cache, v_cache, cu, ctx, tables, 0.2)
+    out = pre.paged_prefill_attention(*args, max(q_lens))
+    assert not out.isnan().any()
+    check(out, pre.paged_prefill_attention_ref(*args), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
+def test_store_keeps_a_token_major_v_finite(dtype) -> None:
+    """NaN is stored as 0 and infinities as the dtype's largest, into a token-major V only."""
+    value = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e6, 0.5]).view(5, 1, 1).expand(5, 1, 16)
+    k_cache = torch.zeros(1, 16, 1, 16, dtype=dtype)
+    v_cache = store.as_token_major(torch.zeros_like(k_cache))
+    store.store_kvcache_ref(value, value, k_cache, v_cache, torch.arange(5))
+    largest = torch.finfo(dtype).max
+    assert v_cache[0, :5, 0, 0].float().tolist() == [0.0, largest, -largest, min(1e6, largest), 0.5]
+    assert k_cache[0, 0, 0, 0].float().isnan()  # K is masked where unused: it may keep one

@@ -10,6 +10,7 @@ from nanovllm.kernels.prefill_attention import (
 )
 from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store, qk_norm_rope_store_ref
 from nanovllm.kernels.sample import sample_tokens, sample_tokens_ref
+from nanovllm.kernels.store_kvcache import as_token_major
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 pytestmark = [
@@ -22,8 +23,10 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 Q_GAIN = 3.0  # peaked attention keeps outputs O(1) at long contexts, so errors stay visible
 
 
-def paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, seed=0):
-    """K/V caches holding ``lens`` tokens per sequence in shuffled blocks; -1 padded tables."""
+def paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, seed=0, cache_dtype=None):
+    """K/V caches holding ``lens`` tokens per sequence in shuffled blocks; -1 padded tables.
+    With ``cache_dtype`` (float8), K/V are cast to it and V is token-major, as the engine keeps
+    them."""
     torch.manual_seed(seed)
     used = [(n + block_size - 1) // block_size for n in lens]
     num_blocks = sum(used) + 1
@@ -37,6 +40,9 @@ def paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, seed=0):
         tables[b, :n] = perm[start : start + n]
         start += n
     ctx = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    if cache_dtype is not None:
+        k_cache = k_cache.to(cache_dtype)
+        v_cache = as_token_major(torch.empty_like(v_cache, dtype=cache_dtype)).copy_(v_cache)
     return k_cache, v_cache, tables, ctx
 
 
@@ -87,13 +93,15 @@ def test_decode_forced_splits(num_splits: int) -> None:
     check(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.1))
 
 
+@pytest.mark.parametrize("block_size", [128, 16])
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (32, 8)])
-def test_decode_float8_cache(num_heads, num_kv_heads, num_splits) -> None:
+def test_decode_float8_cache(num_heads, num_kv_heads, num_splits, block_size) -> None:
     """bf16 queries over an e4m3 cache (the path that computes in fp16) match the reference."""
     lens = decode_lens(9, 2000)
-    k_cache, v_cache, tables, ctx = paged_cache(lens, 128, num_kv_heads, 128, torch.bfloat16)
-    k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    k_cache, v_cache, tables, ctx = paged_cache(
+        lens, block_size, num_kv_heads, 128, torch.bfloat16, cache_dtype=torch.float8_e4m3fn
+    )
     q = torch.randn(9, num_heads, 128, device="cuda", dtype=torch.bfloat16) * Q_GAIN
     out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, num_splits)
     check(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.1))
@@ -161,6 +169,8 @@ def test_qk_norm_rope_store(dtype: torch.dtype, norm: bool, cache_dtype) -> None
     value.mul_(300)  # some values pass float8's largest, 448: both saturate
     k_cache = torch.randn(40, block_size, num_kv_heads, head_dim, device="cuda").to(cache_dtype or dtype)
     v_cache = torch.randn_like(k_cache.float()).to(k_cache.dtype)
+    if cache_dtype is not None:  # V token-major, as the engine stores a float8 V
+        v_cache = as_token_major(torch.empty_like(v_cache)).copy_(v_cache)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     args = (positions, cos_sin, *weights, 1e-6)
     want_q, want_k = qk_norm_rope_store_ref(q, key, value, *args, ref_k, ref_v, slots)
@@ -187,10 +197,13 @@ PREFILL_CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,seqs", PREFILL_CASES)
-def test_prefill(block_size, num_heads, num_kv_heads, head_dim, seqs, dtype) -> None:
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["cache_as_model", "fp8_cache"])
+def test_prefill(block_size, num_heads, num_kv_heads, head_dim, seqs, dtype, cache_dtype) -> None:
     q_lens = [n for _, n in seqs]
     lens = [p + n for p, n in seqs]
-    k_cache, v_cache, tables, ctx = paged_cache(lens, block_size, num_kv_heads, head_dim, dtype)
+    k_cache, v_cache, tables, ctx = paged_cache(
+        lens, block_size, num_kv_heads, head_dim, dtype, cache_dtype=cache_dtype
+    )
     q = torch.randn(sum(q_lens), num_heads, head_dim, device="cuda", dtype=dtype) * Q_GAIN
     cu = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
     scale = head_dim**-0.5

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store, qk_norm_rope_store_ref
-from nanovllm.kernels.store_kvcache import store_kvcache_ref
+from nanovllm.kernels.store_kvcache import as_token_major, store_kvcache_ref
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from tests.interpreter import DEVICE
 
@@ -31,10 +31,15 @@ def make_inputs(num_tokens, heads, kv_heads, head_dim, dtype, norm: bool, seed=0
     return qkv, q, k, v, positions, weights[0], weights[1], slots, cache
 
 
+def token_major_copy(cache: torch.Tensor) -> torch.Tensor:
+    return as_token_major(torch.empty_like(cache)).copy_(cache)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (16, 8, 128), (6, 2, 32)])
-def test_kernel_matches_reference(dtype, norm, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("token_major_v", [False, True], ids=["v_dim_major", "v_token_major"])
+def test_kernel_matches_reference(dtype, norm, heads, kv_heads, head_dim, token_major_v):
     rope = RotaryEmbedding(head_dim, 4096, 1e6)
     qkv, q, k, v, positions, qw, kw, slots, cache = make_inputs(11, heads, kv_heads, head_dim, dtype, norm)
     want_q, want_k = qk_norm_rope_store_ref(
@@ -44,6 +49,8 @@ def test_kernel_matches_reference(dtype, norm, heads, kv_heads, head_dim):
     store_kvcache_ref(want_k, v, want_kc, want_vc, slots)
 
     qkv, kc, vc = qkv.to(DEVICE), cache.clone().to(DEVICE), cache.clone().to(DEVICE)
+    if token_major_v:
+        vc = token_major_copy(vc)
     q, k, v = (t.to(DEVICE) for t in (q, k, v))
     q, k, v = qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=-1)
     q = q.view(11, heads, head_dim)
@@ -58,6 +65,26 @@ def test_kernel_matches_reference(dtype, norm, heads, kv_heads, head_dim):
     torch.testing.assert_close(got_k.cpu(), want_k, atol=tol, rtol=tol)
     torch.testing.assert_close(kc.cpu(), want_kc, atol=tol, rtol=tol)
     torch.testing.assert_close(vc.cpu(), want_vc, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_keeps_a_token_major_v_finite(dtype):
+    """As the reference: NaN stored as 0, infinities as the cache dtype's largest."""
+    rope = RotaryEmbedding(64, 4096, 1e6)
+    _, q, k, v, positions, qw, kw, slots, cache = make_inputs(11, 4, 2, 64, dtype, True)
+    v = v.clone()
+    v[1, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    v[4] = float("nan")
+    cos_sin = rope.cos_sin_cache
+    want_k, want_v = cache.clone(), token_major_copy(cache)
+    qk_norm_rope_store_ref(q.clone(), k.clone(), v, positions, cos_sin, qw, kw, 1e-6, want_k, want_v, slots)
+    assert want_v.isfinite().all()
+    q, k, v, positions, cos_sin, qw, kw, slots = (
+        t.clone().to(DEVICE) for t in (q, k, v, positions, cos_sin, qw, kw, slots)
+    )
+    k_cache, v_cache = cache.clone().to(DEVICE), token_major_copy(cache).to(DEVICE)
+    qk_norm_rope_store(q, k, v, positions, cos_sin, qw, kw, 1e-6, k_cache, v_cache, slots)
+    assert torch.equal(v_cache.cpu(), want_v)
 
 
 def test_reference_is_hf_qwen3_norm_and_rotary():
