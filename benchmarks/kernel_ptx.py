@@ -60,7 +60,7 @@ def decode_ptx(cache_dtype: str, num_splits: int):
     cache_bytes = 1 if cache_dtype == "fp8e4nv" else 2
     token_major = _engine_v_token_major(cache_dtype)
     block_n, stages, warps, f16_dot = decode_attention.launch_settings(
-        num_splits, 128, cache_bytes, torch.bfloat16, _BLOCK_SIZE if token_major else 0
+        num_splits, 128, cache_bytes, torch.bfloat16, _BLOCK_SIZE if token_major else None
     )
     partial_dtype = "bf16" if num_splits == 1 else "fp32"
     pointers = dict(

@@ -161,10 +161,10 @@ def launch_settings(
     head_dim: int,
     cache_element_size: int,
     q_dtype: torch.dtype,
-    v_token_major_block: int = 0,
+    token_major_block_size: int | None = None,
 ) -> tuple[int, int, int, bool]:
     """(tile tokens, stages, warps, fp16 dot) of a launch with ``num_splits`` splits; for a
-    token-major V, ``v_token_major_block`` is the cache's block size (tiles lie inside one)."""
+    token-major V, ``token_major_block_size`` is the cache's block size (tiles lie inside one)."""
     f16_dot = cache_element_size == 1 and q_dtype == torch.bfloat16
     if num_splits == 1:
         block_n = min(128, _FINAL_TILE_BYTES // (head_dim * cache_element_size))
@@ -172,9 +172,9 @@ def launch_settings(
     else:
         block_n, stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
         num_warps = _FEW_SPLITS_WARPS if num_splits <= _FEW_SPLITS else _NUM_WARPS
-        f16_dot = f16_dot and v_token_major_block > 0
-    if v_token_major_block:
-        block_n = min(block_n, v_token_major_block)
+        f16_dot = f16_dot and token_major_block_size is not None
+    if token_major_block_size is not None:
+        block_n = min(block_n, token_major_block_size)
     return block_n, stages, num_warps, f16_dot
 
 
@@ -223,7 +223,7 @@ def paged_decode_attention(
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device)
     block_n, num_stages, num_warps, f16_dot = launch_settings(
-        num_splits, head_dim, k_cache.element_size(), q.dtype, block_size if v_token_major else 0
+        num_splits, head_dim, k_cache.element_size(), q.dtype, block_size if v_token_major else None
     )
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q,
