@@ -27,11 +27,15 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 5, 16, 17, 40, 63, 100)]
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(
+    model_dir: str, prompts: list[list[int]], max_new_tokens: int, attn_implementation: str | None = None
+) -> list[list[int]]:
     """Greedy completions from transformers ``generate`` in fp32, EOS ignored."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=attn_implementation
+    )
     model.generation_config.eos_token_id = None  # otherwise generate falls back to the model's EOS
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0

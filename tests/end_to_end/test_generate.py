@@ -1,8 +1,10 @@
 """End to end on CPU: greedy tokens equal HF transformers, whatever the engine's options."""
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
+from tests.conftest import hf_greedy
 from tests.end_to_end.arrivals import num_mixed_steps, run_with_arrivals
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -218,6 +220,32 @@ def test_mixed_steps_on_and_off_match_hf(qwen3_dir, prompts, hf_reference, mixed
         assert (num_mixed_steps(results) > 0) == mixed
     finally:
         llm.exit()
+
+
+def float8_kv_attention(module, query, key, value, *args, **kwargs):
+    """HF's SDPA attention over K and V rounded to float8 e4m3 (saturating), as an fp8 cache
+    stores them: the oracle of an fp8 KV cache."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    largest = torch.finfo(torch.float8_e4m3fn).max
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.clamp(-largest, largest).to(torch.float8_e4m3fn).to(t.dtype)
+
+    return sdpa_attention_forward(module, query, rounded(key), rounded(value), *args, **kwargs)
+
+
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 7}], ids=["whole_prompts", "chunked"])
+def test_fp8_kv_cache_matches_hf_reading_float8_kv(qwen3_dir, prompts, options):
+    """The same greedy tokens as HF whose attention rounds every K and V to e4m3: the cache
+    stores and reads float8 as that oracle does, also when a chunk reads earlier chunks' K/V
+    back from the cache (a budget of 7 tokens)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("sdpa_float8_kv", float8_kv_attention)
+    expected = hf_greedy(qwen3_dir, prompts, 24, attn_implementation="sdpa_float8_kv")
+    ours, _ = run(qwen3_dir, prompts, kvcache_block_size=16, kv_cache_dtype="fp8", **options)
+    assert ours == expected
 
 
 def test_fp8_kv_cache_keeps_most_greedy_tokens(qwen3_dir, prompts, hf_reference):
