@@ -238,14 +238,22 @@ def float8_kv_attention(module, query, key, value, *args, **kwargs):
 @pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 7}], ids=["whole_prompts", "chunked"])
 def test_fp8_kv_cache_matches_hf_reading_float8_kv(qwen3_dir, prompts, options):
     """The same greedy tokens as HF whose attention rounds every K and V to e4m3: the cache
-    stores and reads float8 as that oracle does, also when a chunk reads earlier chunks' K/V
-    back from the cache (a budget of 7 tokens)."""
+    stores and reads float8 as that oracle does, also when a prompt reads cached blocks of an
+    earlier one, and when a chunk reads earlier chunks' K/V (a budget of 7 tokens)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register("sdpa_float8_kv", float8_kv_attention)
-    expected = hf_greedy(qwen3_dir, prompts, 24, attn_implementation="sdpa_float8_kv")
-    ours, _ = run(qwen3_dir, prompts, kvcache_block_size=16, kv_cache_dtype="fp8", **options)
-    assert ours == expected
+    batch = prompts + [p + [1, 2, 3] for p in prompts[3:]]
+    expected = hf_greedy(qwen3_dir, batch, 24, attn_implementation="sdpa_float8_kv")
+    llm = LLM(qwen3_dir, **{**BASE, "kvcache_block_size": 16, "kv_cache_dtype": "fp8", **options})
+    try:
+        first = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        # the extended prompts hit the blocks the first call computed: float8 read back
+        again = llm.generate(batch[len(prompts) :], GREEDY, use_tqdm=False)
+        assert sum(o.num_cached_tokens for o in again) > 0
+        assert first + [o["token_ids"] for o in again] == expected
+    finally:
+        llm.exit()
 
 
 def test_fp8_kv_cache_keeps_most_greedy_tokens(qwen3_dir, prompts, hf_reference):
