@@ -59,7 +59,7 @@ def decode_ptx(cache_dtype: str, num_splits: int):
     (``cache_dtype``: bf16, fp8e4nv) over the engine's cache layout."""
     cache_bytes = 1 if cache_dtype == "fp8e4nv" else 2
     token_major = _engine_v_token_major(cache_dtype)
-    block_n, stages, warps, f16_dot = decode_attention.launch_settings(
+    block_n, split_align, stages, warps, f16_dot = decode_attention.launch_settings(
         num_splits, 128, cache_bytes, torch.bfloat16, _BLOCK_SIZE if token_major else None
     )
     partial_dtype = "bf16" if num_splits == 1 else "fp32"
@@ -69,7 +69,7 @@ def decode_ptx(cache_dtype: str, num_splits: int):
     )  # fmt: skip
     constexprs = dict(
         GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=_BLOCK_SIZE, BLOCK_N=block_n,
-        SPLIT_ALIGN=max(16, block_n) if token_major else 16, FINAL=num_splits == 1, HAS_ORDER=False,
+        SPLIT_ALIGN=split_align, FINAL=num_splits == 1, HAS_ORDER=False,
         V_TOKEN_MAJOR=token_major, DOT_PRECISION="tf32", F16_DOT=f16_dot,
     )  # fmt: skip
     return compile_ptx(decode_attention._decode_split_kernel, pointers, constexprs, warps, stages)

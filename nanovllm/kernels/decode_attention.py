@@ -104,8 +104,8 @@ def _decode_split_kernel(
     With FINAL (a single split) it writes the output; otherwise the normalised partial output
     to ``out[seq, head, split]`` (fp32) and its base-2 log-sum-exp to ``lse[seq, head, split]``.
     A token-major V (V_TOKEN_MAJOR) is read by whole tiles inside one cache block, slots past
-    the context included: the launcher makes SPLIT_ALIGN a multiple of BLOCK_N and BLOCK_N a
-    divisor of BLOCK_SIZE.
+    the context included: :func:`launch_settings` makes SPLIT_ALIGN a multiple of BLOCK_N and
+    BLOCK_N a divisor of BLOCK_SIZE.
     """
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_ORDER:  # programs start in launch order; this one takes the row named here
@@ -162,9 +162,10 @@ def launch_settings(
     cache_element_size: int,
     q_dtype: torch.dtype,
     token_major_block_size: int | None = None,
-) -> tuple[int, int, int, bool]:
-    """(tile tokens, stages, warps, fp16 dot) of a launch with ``num_splits`` splits; for a
-    token-major V, ``token_major_block_size`` is the cache's block size (tiles lie inside one)."""
+) -> tuple[int, int, int, int, bool]:
+    """(tile tokens, split alignment, stages, warps, fp16 dot) of a launch with ``num_splits``
+    splits; for a token-major V, ``token_major_block_size`` is the cache's block size (tiles lie
+    inside one, and splits start on whole tiles)."""
     f16_dot = cache_element_size == 1 and q_dtype == torch.bfloat16
     if num_splits == 1:
         block_n = min(128, _FINAL_TILE_BYTES // (head_dim * cache_element_size))
@@ -173,9 +174,11 @@ def launch_settings(
         block_n, stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
         num_warps = _FEW_SPLITS_WARPS if num_splits <= _FEW_SPLITS else _NUM_WARPS
         f16_dot = f16_dot and token_major_block_size is not None
+    split_align = _SPLIT_ALIGN
     if token_major_block_size is not None:
         block_n = min(block_n, token_major_block_size)
-    return block_n, stages, num_warps, f16_dot
+        split_align = max(split_align, block_n)
+    return block_n, split_align, stages, num_warps, f16_dot
 
 
 def paged_decode_attention(
@@ -222,7 +225,7 @@ def paged_decode_attention(
     else:
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device)
-    block_n, num_stages, num_warps, f16_dot = launch_settings(
+    block_n, split_align, num_stages, num_warps, f16_dot = launch_settings(
         num_splits, head_dim, k_cache.element_size(), q.dtype, block_size if v_token_major else None
     )
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
@@ -246,7 +249,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
-        SPLIT_ALIGN=max(_SPLIT_ALIGN, block_n) if v_token_major else _SPLIT_ALIGN,
+        SPLIT_ALIGN=split_align,
         FINAL=num_splits == 1,
         HAS_ORDER=row_order is not None,
         V_TOKEN_MAJOR=v_token_major,
