@@ -86,6 +86,7 @@ def prefill_ptx(cache_dtype: str):
     constexprs = dict(
         GROUP=4, HEAD_DIM=128, BLOCK_SIZE=_BLOCK_SIZE, BLOCK_M=block_m, BLOCK_N=block_n,
         V_TOKEN_MAJOR=_engine_v_token_major(cache_dtype), DOT_PRECISION="tf32",
+        F16_DOT=cache_dtype == "fp8e4nv",
     )  # fmt: skip
     return compile_ptx(
         prefill_attention._prefill_kernel, pointers, constexprs, prefill_attention._NUM_WARPS, stages

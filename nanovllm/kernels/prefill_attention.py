@@ -150,6 +150,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     V_TOKEN_MAJOR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    F16_DOT: tl.constexpr,
 ):
     """One program: BLOCK_M rows of one sequence and KV head, a row being (new token, head).
 
@@ -179,6 +180,8 @@ def _prefill_kernel(
         mask=r_mask[:, None],
         other=0.0,
     )
+    if F16_DOT:  # float8 K/V widen to fp16 in one instruction, to bf16 in more
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
     if V_TOKEN_MAJOR:
         v_base = v_cache_ptr + kv_head * stride_vh + offs_d[:, None] * stride_vd
@@ -269,6 +272,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         V_TOKEN_MAJOR=v_token_major,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        F16_DOT=k_cache.element_size() == 1 and q.dtype == torch.bfloat16,
         num_warps=_NUM_WARPS,
         num_stages=num_stages,
     )
