@@ -7,7 +7,9 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from tests.checkpoints import make_random_checkpoint
+from tests.conftest import hf_greedy
 from tests.end_to_end.arrivals import num_mixed_steps, run_with_arrivals
+from tests.end_to_end.test_generate import float8_kv_attention
 from tests.end_to_end.test_logits import hf_logits, prefill_logits
 
 pytestmark = [
@@ -113,6 +115,25 @@ def test_fp8_kv_cache_keeps_most_greedy_tokens(gpu_model_dir, prompts, hf_refere
             outs = [o["token_ids"] for o in llm.generate(batch, GREEDY, use_tqdm=False)]
             same = sum(a == b for out, ref in zip(outs, expected) for a, b in zip(out, ref))
             assert same / sum(map(len, expected)) > 0.15, same / sum(map(len, expected))
+    finally:
+        llm.exit()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_fp8_kv_cache_matches_hf_reading_float8_kv(gpu_model_dir, prompts, eager):
+    """HF's greedy tokens exactly, when HF's attention rounds K and V to e4m3 as the cache
+    stores them; the second round reads float8 blocks the first one cached."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("sdpa_float8_kv", float8_kv_attention)
+    batch = prompts + [p + [1, 2, 3] for p in prompts[3:7]]
+    expected = hf_greedy(gpu_model_dir, batch, 32, attn_implementation="sdpa_float8_kv")
+    llm = gpu_llm(gpu_model_dir, "triton", eager, kv_cache_dtype="fp8")
+    try:
+        for _ in range(2):
+            outs = [o["token_ids"] for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+            same = sum(a == b for out, ref in zip(outs, expected) for a, b in zip(out, ref))
+            assert outs == expected, f"{same} of {sum(map(len, expected))} tokens"
     finally:
         llm.exit()
 
