@@ -172,6 +172,9 @@ def launch_settings(
         stages, num_warps = _FINAL_STAGES, _NUM_WARPS
     else:
         block_n, stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
+        if token_major_block_size is not None:  # an 8-bit V: few splits read as one does
+            few = num_splits <= _FEW_SPLITS
+            block_n = _FINAL_TILE_BYTES // (head_dim * cache_element_size) if few else 2 * _SPLIT_BLOCK_N
         num_warps = _FEW_SPLITS_WARPS if num_splits <= _FEW_SPLITS else _NUM_WARPS
         f16_dot = f16_dot and token_major_block_size is not None
     split_align = _SPLIT_ALIGN
