@@ -15,8 +15,8 @@ _SPLIT_ALIGN = 16  # split lengths are rounded up to this many tokens
 # start-up hides under another's streaming (3 stages, at launch or pipelining the tile loop
 # with tl.range, won at uniform contexts and lost end to end on the bench's varied ones).
 # Several splits (few, short programs): 32-token tiles cut every step's latency.
-# A float8 cache gets 16 KB tiles too (128 tokens) and, with one split, an fp16 dot: at batch
-# 256-512 both together took its time from 0.92-0.94x of bf16's to 0.83-0.86x.
+# A float8 cache (its V token-major) computes in fp16 and reads 16 KB tiles (128 tokens) at one
+# split and at few, 8 KB at more: with splits, 1.1-1.3x faster than 32-token tiles (H200 sweep).
 _FINAL_TILE_BYTES, _FINAL_STAGES = 16 * 1024, 2
 _SPLIT_BLOCK_N, _SPLIT_STAGES = 32, 2
 _NUM_WARPS = 4
@@ -171,11 +171,11 @@ def launch_settings(
         block_n = min(128, _FINAL_TILE_BYTES // (head_dim * cache_element_size))
         stages, num_warps = _FINAL_STAGES, _NUM_WARPS
     else:
+        few = num_splits <= _FEW_SPLITS
         block_n, stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
-        if token_major_block_size is not None:  # an 8-bit V: few splits read as one does
-            few = num_splits <= _FEW_SPLITS
+        if token_major_block_size is not None:  # an 8-bit V
             block_n = _FINAL_TILE_BYTES // (head_dim * cache_element_size) if few else 2 * _SPLIT_BLOCK_N
-        num_warps = _FEW_SPLITS_WARPS if num_splits <= _FEW_SPLITS else _NUM_WARPS
+        num_warps = _FEW_SPLITS_WARPS if few else _NUM_WARPS
         f16_dot = f16_dot and token_major_block_size is not None
     split_align = _SPLIT_ALIGN
     if token_major_block_size is not None:
