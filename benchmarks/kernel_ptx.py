@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanovllm.kernels import decode_attention, prefill_attention
-from nanovllm.kernels.store_kvcache import v_token_major_for
+from nanovllm.kernels.store_kvcache import reads_in_fp16, v_token_major_for
 
 _WATCHED = (
     "ld.global", "cp.async", "ld.shared", "st.shared", "ldmatrix", "stmatrix", "cvt.rn.f16x2.e4m3x2",
@@ -86,7 +86,7 @@ def prefill_ptx(cache_dtype: str):
     constexprs = dict(
         GROUP=4, HEAD_DIM=128, BLOCK_SIZE=_BLOCK_SIZE, BLOCK_M=block_m, BLOCK_N=block_n,
         V_TOKEN_MAJOR=_engine_v_token_major(cache_dtype), DOT_PRECISION="tf32",
-        F16_DOT=cache_dtype == "fp8e4nv",
+        F16_DOT=reads_in_fp16(1 if cache_dtype == "fp8e4nv" else 2, torch.bfloat16),
     )  # fmt: skip
     return compile_ptx(
         prefill_attention._prefill_kernel, pointers, constexprs, prefill_attention._NUM_WARPS, stages

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.decode_reduce import combine_splits, default_num_splits, num_sms
-from nanovllm.kernels.store_kvcache import is_token_major
+from nanovllm.kernels.store_kvcache import fp16_query, is_token_major, reads_in_fp16
 
 _LOG2E = 1.4426950408889634
 _MIN_ROWS = 16  # tl.dot needs M >= 16: the GQA group is padded up to this
@@ -123,8 +123,8 @@ def _decode_split_kernel(
     g_mask = offs_g < GROUP
     q_offs = seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=g_mask[:, None], other=0.0)
-    if F16_DOT:  # float8 K/V widen to fp16 in one instruction, to bf16 in more
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    if F16_DOT:
+        q = fp16_query(q)
     k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
     if V_TOKEN_MAJOR:
         v_base = v_cache_ptr + kv_head * stride_vh + offs_d[:, None] * stride_vd
@@ -166,7 +166,7 @@ def launch_settings(
     """(tile tokens, split alignment, stages, warps, fp16 dot) of a launch with ``num_splits``
     splits; for a token-major V, ``token_major_block_size`` is the cache's block size (tiles lie
     inside one, and splits start on whole tiles)."""
-    f16_dot = cache_element_size == 1 and q_dtype == torch.bfloat16
+    f16_dot = reads_in_fp16(cache_element_size, q_dtype)
     if num_splits == 1:
         block_n = min(128, _FINAL_TILE_BYTES // (head_dim * cache_element_size))
         stages, num_warps = _FINAL_STAGES, _NUM_WARPS

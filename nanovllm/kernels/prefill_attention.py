@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.store_kvcache import is_token_major
+from nanovllm.kernels.store_kvcache import fp16_query, is_token_major, reads_in_fp16
 
 _LOG2E = 1.4426950408889634
 # Tiles measured on H200 (bf16, head_dim 128): 128 (token, head) rows per program against
@@ -180,8 +180,8 @@ def _prefill_kernel(
         mask=r_mask[:, None],
         other=0.0,
     )
-    if F16_DOT:  # float8 K/V widen to fp16 in one instruction, to bf16 in more
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    if F16_DOT:
+        q = fp16_query(q)
     k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
     if V_TOKEN_MAJOR:
         v_base = v_cache_ptr + kv_head * stride_vh + offs_d[:, None] * stride_vd
@@ -272,7 +272,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         V_TOKEN_MAJOR=v_token_major,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        F16_DOT=k_cache.element_size() == 1 and q.dtype == torch.bfloat16,
+        F16_DOT=reads_in_fp16(k_cache.element_size(), q.dtype),
         num_warps=_NUM_WARPS,
         num_stages=num_stages,
     )

@@ -15,6 +15,21 @@ store writes a NaN as 0 and clamps to the cache dtype's range (the cache starts 
 """
 
 import torch
+import triton
+import triton.language as tl
+
+
+def reads_in_fp16(cache_element_size: int, q_dtype: torch.dtype) -> bool:
+    """Whether attention over a cache with ``cache_element_size``-byte elements computes in
+    fp16 under a ``q_dtype`` query: an 8-bit cache under bf16 (e4m3 widens to fp16 in one
+    instruction, to bf16 in three)."""
+    return cache_element_size == 1 and q_dtype == torch.bfloat16
+
+
+@triton.jit
+def fp16_query(q):
+    """``q`` for the fp16 dot of :func:`reads_in_fp16`, clamped to fp16's range."""
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
 
 def v_token_major_for(dtype: torch.dtype) -> bool:
