@@ -1,11 +1,11 @@
 """End to end on CPU: greedy tokens equal HF transformers, whatever the engine's options."""
 
 import pytest
-import torch
 
 from nanovllm import LLM, SamplingParams
 from tests.conftest import hf_greedy
 from tests.end_to_end.arrivals import num_mixed_steps, run_with_arrivals
+from tests.end_to_end.hf_oracle import float8_kv_attention
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 BASE = dict(device="cpu", dtype="float32", max_model_len=512, max_num_seqs=16)
@@ -220,19 +220,6 @@ def test_mixed_steps_on_and_off_match_hf(qwen3_dir, prompts, hf_reference, mixed
         assert (num_mixed_steps(results) > 0) == mixed
     finally:
         llm.exit()
-
-
-def float8_kv_attention(module, query, key, value, *args, **kwargs):
-    """HF's SDPA attention over K and V rounded to float8 e4m3 (saturating), as an fp8 cache
-    stores them: the oracle of an fp8 KV cache."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    largest = torch.finfo(torch.float8_e4m3fn).max
-
-    def rounded(t: torch.Tensor) -> torch.Tensor:
-        return t.clamp(-largest, largest).to(torch.float8_e4m3fn).to(t.dtype)
-
-    return sdpa_attention_forward(module, query, rounded(key), rounded(value), *args, **kwargs)
 
 
 @pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 7}], ids=["whole_prompts", "chunked"])

@@ -9,8 +9,8 @@ from nanovllm import LLM, SamplingParams
 from tests.checkpoints import make_random_checkpoint
 from tests.conftest import hf_greedy
 from tests.end_to_end.arrivals import num_mixed_steps, run_with_arrivals
-from tests.end_to_end.test_generate import float8_kv_attention
-from tests.end_to_end.test_logits import hf_logits, prefill_logits
+from tests.end_to_end.hf_oracle import float8_kv_attention, hf_logits
+from tests.end_to_end.prefill import prefill_logits
 
 pytestmark = [
     pytest.mark.gpu,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from tests.end_to_end.test_logprobs import hf_logprobs
-from tests.end_to_end.test_penalties import FEATURES, check_features_matter, greedy, hf_generate, hf_model
+from tests.end_to_end.hf_oracle import hf_generate, hf_logprobs, hf_model
+from tests.end_to_end.penalty_cases import FEATURES, check_features_matter, greedy
 
 pytestmark = [
     pytest.mark.gpu,

@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
+from tests.end_to_end.hf_oracle import check_prompt_logprobs, hf_logprobs
 
 OPTIONS = dict(device="cpu", dtype="float32", max_model_len=96, kvcache_block_size=16, max_num_seqs=8)
 PROMPTS = [[7, 300, 42, 19, 250, 3, 88, 121, 64, 5, 400, 17, 230, 9, 31, 77, 150], [11, 12, 13]]
@@ -14,13 +15,6 @@ PROMPTS = [[7, 300, 42, 19, 250, 3, 88, 121, 64, 5, 400, 17, 230, 9, 31, 77, 150
 @pytest.fixture(scope="module")
 def hf_model(qwen3_dir):
     return AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
-
-
-def hf_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    """``[len(completion), vocab]``: log-softmax of the logits that predicted each token."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + completion])).logits[0]
-    return torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -49,19 +43,6 @@ def test_no_logprobs_by_default(qwen3_dir):
     with LLM(qwen3_dir, **OPTIONS) as llm:
         out = llm.generate([PROMPTS[0]], SamplingParams(0.0, 4, True), use_tqdm=False)[0].outputs[0]
     assert out.logprobs is None and out.cumulative_logprob is None
-
-
-def check_prompt_logprobs(hf_model, prompt: list[int], got: list, k: int) -> None:
-    """vLLM's layout: None for the first token, then ``{token: logprob}`` with the top ``k``."""
-    with torch.no_grad():
-        want = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
-    assert len(got) == len(prompt) and got[0] is None
-    for t in range(1, len(prompt)):
-        top = want[t - 1].topk(k)
-        assert set(got[t]) == set(top.indices.tolist()) | {prompt[t]}
-        values = torch.tensor([got[t][i] for i in top.indices.tolist()] + [got[t][prompt[t]]])
-        expected = torch.cat([top.values, want[t - 1, prompt[t] : prompt[t] + 1]])
-        torch.testing.assert_close(values, expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

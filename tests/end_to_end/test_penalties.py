@@ -3,45 +3,16 @@ the same processors (see ``tests/execution/test_logits_processors.py``), in batc
 some rows use them, with and without async scheduling, prefix-cache hits and preemption.
 """
 
-import functools
 import json
 import shutil
 
 import pytest
-import torch
 
 from nanovllm import LLM, SamplingParams
-from tests.execution.test_logits_processors import hf_processors
+from tests.end_to_end.hf_oracle import hf_generate
+from tests.end_to_end.penalty_cases import FEATURES, NEW_TOKENS, check_features_matter, greedy
 
 BASE = dict(device="cpu", dtype="float32", max_model_len=512, max_num_seqs=16, kvcache_block_size=16)
-NEW_TOKENS = 24
-
-
-@functools.cache
-def hf_model(model_dir: str):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def hf_generate(model_dir: str, prompt: list[int], p: SamplingParams, eos: tuple[int, ...] = ()) -> list[int]:
-    """Greedy completion from transformers with ``p``'s processors; stops at a stop token id,
-    or at ``eos`` unless ``p.ignore_eos``."""
-    from transformers import GenerationConfig
-
-    stop = [*([] if p.ignore_eos else eos), *p.stop_token_ids]
-    config = GenerationConfig(
-        max_new_tokens=p.max_tokens, do_sample=False, eos_token_id=stop or None, pad_token_id=0
-    )
-    with torch.no_grad():
-        out = hf_model(model_dir).generate(
-            torch.tensor([prompt]),
-            generation_config=config,
-            logits_processor=hf_processors(p, len(prompt), eos),
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def run(model_dir: str, prompts, params, **options) -> list[list[int]]:
@@ -50,28 +21,6 @@ def run(model_dir: str, prompts, params, **options) -> list[list[int]]:
         return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.exit()
-
-
-def greedy(**kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, **kw)
-
-
-FEATURES = [
-    greedy(repetition_penalty=1.3),
-    greedy(repetition_penalty=0.7),
-    greedy(frequency_penalty=1.5),
-    greedy(presence_penalty=2.0, frequency_penalty=-0.5),
-    greedy(logit_bias={7: 4.0, 100: 3.0, 200: 3.5}),
-    greedy(allowed_token_ids=list(range(50, 500, 7))),
-    greedy(repetition_penalty=1.2, presence_penalty=0.5, logit_bias={9: 2.0}),
-]
-
-
-def check_features_matter(model_dir, prompts, params):
-    """Each feature changes HF's greedy output, so that a run ignoring it fails."""
-    for prompt, p in zip(prompts, params):
-        if p != greedy():
-            assert hf_generate(model_dir, prompt, p) != hf_generate(model_dir, prompt, greedy()), p
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

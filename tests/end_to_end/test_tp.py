@@ -9,8 +9,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from tests.end_to_end.arrivals import run_with_arrivals
-from tests.end_to_end.test_logprobs import check_prompt_logprobs, hf_logprobs
-from tests.end_to_end.test_penalties import hf_generate, hf_model
+from tests.end_to_end.hf_oracle import check_prompt_logprobs, hf_generate, hf_logprobs, hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 OPTIONS = dict(device="cpu", dtype="float32", max_model_len=256, kvcache_block_size=16, max_num_seqs=8)

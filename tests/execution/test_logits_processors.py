@@ -13,51 +13,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from transformers import (
-    LogitsProcessor,
-    LogitsProcessorList,
-    MinNewTokensLengthLogitsProcessor,
-    PrefixConstrainedLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    SequenceBiasLogitsProcessor,
-)
+from transformers import LogitsProcessorList
 
 from nanovllm.execution.logits_processors import LogitsRows, process_logits, record_samples
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.scheduling.step import NewRow
+from tests.end_to_end import hf_oracle
 
 VOCAB, EOS, ROWS, MAX_LEN, CHUNK = 40, (1, 2), 4, 64, 5
 
 
-class PresenceFrequencyPenalty(LogitsProcessor):
-    """OpenAI's penalties, token by token: completion tokens only."""
-
-    def __init__(self, prompt_len: int, frequency: float, presence: float):
-        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores.clone()
-        completion = input_ids[0, self.prompt_len :].tolist()
-        for t in set(completion):
-            scores[0, t] -= self.frequency * completion.count(t) + self.presence
-        return scores
-
-
 def hf_processors(p: SamplingParams, prompt_len: int, eos=EOS) -> LogitsProcessorList:
     """The processors Hugging Face would run for ``p`` (``eos``: the model's EOS ids), in our order."""
-    procs = LogitsProcessorList()
-    if p.allowed_token_ids:
-        procs.append(PrefixConstrainedLogitsProcessor(lambda _b, _ids: p.allowed_token_ids, 1))
-    if p.logit_bias:
-        procs.append(SequenceBiasLogitsProcessor([[[t], b] for t, b in p.logit_bias.items()]))
-    if p.min_tokens:
-        stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
-        procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, p.min_tokens, stop))
-    if p.repetition_penalty != 1:
-        procs.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
-    if p.frequency_penalty or p.presence_penalty:
-        procs.append(PresenceFrequencyPenalty(prompt_len, p.frequency_penalty, p.presence_penalty))
-    return procs
+    return hf_oracle.hf_processors(p, prompt_len, eos)
 
 
 @dataclass

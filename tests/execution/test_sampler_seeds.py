@@ -2,7 +2,7 @@
 
 import torch
 
-from tests.execution.test_sampler import assert_matches, sampler, tensors
+from tests.execution.sampling_helpers import assert_matches, sampler, tensors
 
 
 def test_seeded_row_is_independent_of_batch_and_position():
