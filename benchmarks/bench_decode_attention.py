@@ -22,9 +22,9 @@ from functools import partial
 import torch
 from triton.testing import do_bench
 
-from nanovllm.kernels.decode_attention import paged_decode_attention
-from nanovllm.kernels.decode_reduce import default_num_splits, num_sms
-from nanovllm.kernels.store_kvcache import as_token_major, v_token_major_for
+from nanovllm.kernels.decode_attention import default_num_splits, paged_decode_attention
+from nanovllm.kernels.device import num_sms
+from nanovllm.kernels.kv_layout import KVLayout
 
 HEAD_DIM = 128
 DTYPE = torch.bfloat16
@@ -67,18 +67,20 @@ def bench_decode(
     num_heads, num_kv_heads = heads
     shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
 
-    def cache(token_major: bool) -> torch.Tensor:
-        data = torch.randn(shape, dtype=DTYPE, device="cuda").to(cache_dtype)
-        return as_token_major(data) if token_major else data
+    def cache() -> torch.Tensor:
+        return torch.randn(shape, dtype=DTYPE, device="cuda").to(cache_dtype)
 
-    # V in the engine's layout for this dtype
-    caches = [(cache(False), cache(v_token_major_for(cache_dtype))) for _ in range(layers)]
+    layout = KVLayout.for_dtype(cache_dtype)  # the engine's, for this dtype
+    caches = [(cache(), layout.v_view(cache())) for _ in range(layers)]
     # Shuffled blocks, as a real cache fragments over time.
     perm = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
     tables = perm.view(batch, blocks_per_seq)
     ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, num_heads, HEAD_DIM, dtype=DTYPE, device="cuda")
-    calls = [partial(paged_decode_attention, q, k, v, tables, ctx, HEAD_DIM**-0.5) for k, v in caches]
+    calls = [
+        partial(paged_decode_attention, q, k, v, tables, ctx, HEAD_DIM**-0.5, layout=layout)
+        for k, v in caches
+    ]
     us = graph_time_us(calls, rep_ms)
     splits = default_num_splits(batch, num_kv_heads, blocks_per_seq, block_size, num_sms(q.device))
     return us, splits

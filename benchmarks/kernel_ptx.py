@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanovllm.kernels import decode_attention, prefill_attention
-from nanovllm.kernels.store_kvcache import reads_in_fp16, v_token_major_for
+from nanovllm.kernels.kv_layout import KVLayout
 
 _WATCHED = (
     "ld.global", "cp.async", "ld.shared", "st.shared", "ldmatrix", "stmatrix", "cvt.rn.f16x2.e4m3x2",
@@ -48,19 +48,16 @@ def compile_ptx(kernel, pointers: dict[str, str], constexprs: dict, num_warps: i
 
 
 _BLOCK_SIZE = 128
-
-
-def _engine_v_token_major(cache_dtype: str) -> bool:
-    return v_token_major_for(torch.float8_e4m3fn if cache_dtype == "fp8e4nv" else torch.bfloat16)
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8e4nv": torch.float8_e4m3fn}
 
 
 def decode_ptx(cache_dtype: str, num_splits: int):
     """The decode kernel as ``paged_decode_attention`` launches it with ``num_splits`` splits
     (``cache_dtype``: bf16, fp8e4nv) over the engine's cache layout."""
-    cache_bytes = 1 if cache_dtype == "fp8e4nv" else 2
-    token_major = _engine_v_token_major(cache_dtype)
-    block_n, split_align, stages, warps, f16_dot = decode_attention.launch_settings(
-        num_splits, 128, cache_bytes, torch.bfloat16, _BLOCK_SIZE if token_major else None
+    torch_dtype = _TORCH_DTYPES[cache_dtype]
+    layout = KVLayout.for_dtype(torch_dtype)
+    launch = decode_attention.launch_settings(
+        num_splits, 128, torch_dtype.itemsize, torch.bfloat16, layout, _BLOCK_SIZE
     )
     partial_dtype = "bf16" if num_splits == 1 else "fp32"
     pointers = dict(
@@ -68,29 +65,30 @@ def decode_ptx(cache_dtype: str, num_splits: int):
         context_lens_ptr="i32", order_ptr="i32", out_ptr=partial_dtype, lse_ptr=partial_dtype,
     )  # fmt: skip
     constexprs = dict(
-        GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=_BLOCK_SIZE, BLOCK_N=block_n,
-        SPLIT_ALIGN=split_align, FINAL=num_splits == 1, HAS_ORDER=False,
-        V_TOKEN_MAJOR=token_major, DOT_PRECISION="tf32", F16_DOT=f16_dot,
+        GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=_BLOCK_SIZE, BLOCK_N=launch.block_n,
+        SPLIT_ALIGN=launch.split_align, FINAL=num_splits == 1, HAS_ORDER=False,
+        V_TOKEN_MAJOR=layout.v_token_major, DOT_PRECISION="tf32", F16_DOT=launch.f16_dot,
     )  # fmt: skip
-    return compile_ptx(decode_attention._decode_split_kernel, pointers, constexprs, warps, stages)
+    kernel = decode_attention._decode_split_kernel
+    return compile_ptx(kernel, pointers, constexprs, launch.num_warps, launch.num_stages)
 
 
 def prefill_ptx(cache_dtype: str):
     """The prefill kernel as ``paged_prefill_attention`` launches it for a bf16 query over the
     engine's cache layout."""
-    block_m, block_n, stages = prefill_attention._tiles(128, 2)
+    torch_dtype = _TORCH_DTYPES[cache_dtype]
+    layout = KVLayout.for_dtype(torch_dtype)
+    launch = prefill_attention.launch_settings(128, torch_dtype.itemsize, torch.bfloat16, layout, _BLOCK_SIZE)
     pointers = dict(
         q_ptr="bf16", k_cache_ptr=cache_dtype, v_cache_ptr=cache_dtype, out_ptr="bf16",
         cu_seqlens_q_ptr="i32", context_lens_ptr="i32", block_tables_ptr="i32",
     )  # fmt: skip
     constexprs = dict(
-        GROUP=4, HEAD_DIM=128, BLOCK_SIZE=_BLOCK_SIZE, BLOCK_M=block_m, BLOCK_N=block_n,
-        V_TOKEN_MAJOR=_engine_v_token_major(cache_dtype), DOT_PRECISION="tf32",
-        F16_DOT=reads_in_fp16(1 if cache_dtype == "fp8e4nv" else 2, torch.bfloat16),
+        GROUP=4, HEAD_DIM=128, BLOCK_SIZE=_BLOCK_SIZE, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+        V_TOKEN_MAJOR=layout.v_token_major, DOT_PRECISION="tf32", F16_DOT=launch.f16_dot,
     )  # fmt: skip
-    return compile_ptx(
-        prefill_attention._prefill_kernel, pointers, constexprs, prefill_attention._NUM_WARPS, stages
-    )
+    kernel = prefill_attention._prefill_kernel
+    return compile_ptx(kernel, pointers, constexprs, launch.num_warps, launch.num_stages)
 
 
 def instruction_counts(ptx: str) -> collections.Counter:

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from nanovllm.kernels.kv_layout import KVLayout
+
 
 def _padded(value: int, why: str):
     """A per-row tensor field; rows that only pad a batch (e.g. up to a CUDA graph's batch
@@ -88,7 +90,7 @@ class QKTransform:
 
 class AttentionBackend:
     """Prepares q/k and stores new K/V in the paged cache, and computes attention for prefill
-    and decode."""
+    and decode. Every method takes a layer's caches with their layout (:class:`KVLayout`)."""
 
     name: str = ""
     supports_cuda_graphs: bool = True
@@ -103,12 +105,15 @@ class AttentionBackend:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        layout: KVLayout,
         slot_mapping: torch.Tensor,
         t: QKTransform,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply ``t`` to q and k, store k and v in the paged cache; returns q and k."""
         norms = (t.q_norm_weight, t.k_norm_weight, t.eps)
-        return self.qk_prologue(q, k, v, t.positions, t.cos_sin_cache, *norms, k_cache, v_cache, slot_mapping)
+        return self.qk_prologue(
+            q, k, v, t.positions, t.cos_sin_cache, *norms, k_cache, v_cache, slot_mapping, layout=layout
+        )
 
     def prefill(
         self,
@@ -117,6 +122,7 @@ class AttentionBackend:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        layout: KVLayout,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
@@ -127,6 +133,7 @@ class AttentionBackend:
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        layout: KVLayout,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:

@@ -8,10 +8,15 @@ from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store
 
 
 class FlashAttnBackend(AttentionBackend):
+    """flash-attn reads dim-major caches only, the one layout the config lets this backend
+    have (it keeps 8-bit caches, whose V is token-major, off it)."""
+
     name = "flash_attn"
     qk_prologue = staticmethod(qk_norm_rope_store)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(
+        self, q, k, v, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         if meta.has_prefix:  # read the cached prefix (and the new tokens) from the paged cache
             k, v, block_table = k_cache, v_cache, meta.block_tables
         else:
@@ -29,7 +34,7 @@ class FlashAttnBackend(AttentionBackend):
             block_table=block_table,
         )
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = flash_attn_with_kvcache(
             q.unsqueeze(1),
             k_cache,

@@ -13,10 +13,12 @@ class TorchBackend(AttentionBackend):
     qk_prologue = staticmethod(qk_norm_rope_store_ref)
     supports_cuda_graphs = False  # the reference loops over sequences on the host
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(
+        self, q, k, v, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         return paged_prefill_attention_ref(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale
         )
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)

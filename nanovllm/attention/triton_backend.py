@@ -33,7 +33,9 @@ class TritonBackend(AttentionBackend):
     def __init__(self) -> None:
         self.varlen_attn = _find_varlen_attn()
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(
+        self, q, k, v, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         if not meta.has_prefix and self.varlen_attn is not None and q.is_cuda and q.dtype != torch.float32:
             return self.varlen_attn(
                 q,
@@ -55,9 +57,17 @@ class TritonBackend(AttentionBackend):
             meta.block_tables,
             scale,
             meta.max_seqlen_q,
+            layout=layout,
         )
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, row_order=meta.decode_order
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            scale,
+            row_order=meta.decode_order,
+            layout=layout,
         )

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from nanovllm.config import Config
-from nanovllm.kernels.store_kvcache import as_token_major, v_token_major_for
+from nanovllm.execution.platform import torch_dtype
+from nanovllm.kernels.kv_layout import KVLayout
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.parallel import TPGroup
 
@@ -15,8 +16,9 @@ _HEADROOM_BYTES = 2**28  # left free for the allocator's fragmentation and NCCL 
 
 class KVCache:
     """One tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]`` holding the K and V
-    of every attention layer of ``model``, each layer bound to its own views (a float8 V's
-    view is token-major: :func:`~nanovllm.kernels.store_kvcache.as_token_major`).
+    of every attention layer of ``model``, each layer bound to its own views and to the
+    cache's :attr:`layout` (:class:`~nanovllm.kernels.kv_layout.KVLayout`: a float8 V's view
+    is token-major).
 
     The tensor never moves while the cache lives, so CUDA graphs captured against it stay
     valid; :meth:`release` unbinds the layers and frees it.
@@ -33,16 +35,16 @@ class KVCache:
             config.kvcache_block_size,
             first.num_kv_heads,
             first.head_dim,
-            dtype=config.kv_cache_torch_dtype,
+            dtype=torch_dtype(config.kv_cache_dtype),
             device=device,
         )
         if self.tensor[:, :, :1].numel() * self.tensor.element_size() != config.kv_block_bytes:
             raise RuntimeError("the model's attention layers disagree with the config's KV block size")
-        v_token_major = v_token_major_for(self.tensor.dtype)
+        self.layout = KVLayout.for_dtype(self.tensor.dtype)
         for i, attn in enumerate(self.layers):
-            v_cache = self.tensor[1, i]
             attn.k_cache = self.tensor[0, i]
-            attn.v_cache = as_token_major(v_cache) if v_token_major else v_cache
+            attn.v_cache = self.layout.v_view(self.tensor[1, i])
+            attn.kv_layout = self.layout
 
     @staticmethod
     def num_blocks_to_allocate(

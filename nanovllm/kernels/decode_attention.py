@@ -1,13 +1,25 @@
 """Paged decode attention: one query token per sequence against its cached context."""
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_reduce import combine_splits, default_num_splits, num_sms
-from nanovllm.kernels.store_kvcache import fp16_query, is_token_major, reads_in_fp16
+from nanovllm.kernels.attention_common import (
+    LOG2E,
+    MASK_CONTEXT_END,
+    attend_tile,
+    check_inputs,
+    dot_precision,
+    fp16_query,
+    kv_head_bases,
+    reads_in_fp16,
+)
+from nanovllm.kernels.decode_reduce import combine_splits
+from nanovllm.kernels.device import num_sms
+from nanovllm.kernels.kv_layout import KVLayout
 
-_LOG2E = 1.4426950408889634
 _MIN_ROWS = 16  # tl.dot needs M >= 16: the GQA group is padded up to this
 _SPLIT_ALIGN = 16  # split lengths are rounded up to this many tokens
 # Tiles measured on H200 (bf16, head_dim 128), many layers per graph as in a decode step. One
@@ -22,6 +34,8 @@ _SPLIT_BLOCK_N, _SPLIT_STAGES = 32, 2
 _NUM_WARPS = 4
 # Few splits mean long spans per program: two warps keep more of them resident (H200 sweep).
 _FEW_SPLITS, _FEW_SPLITS_WARPS = 4, 2
+_MIN_SPLIT_TOKENS = 64  # default splits never cut a full block table finer than this
+_PROGRAMS_PER_SM = 4  # default split count aims at this many programs per SM
 
 
 def paged_decode_attention_ref(
@@ -52,40 +66,6 @@ def paged_decode_attention_ref(
         probs = scores.softmax(dim=-1)
         out[b] = torch.einsum("hgt,thd->hgd", probs, v).reshape(num_heads, head_dim).to(q.dtype)
     return out
-
-
-@triton.jit
-def _attend_tile(
-    q, acc, m_i, l_i, k_base, v_base, bt_row, tile, end, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Online-softmax update with the tokens ``tile .. tile + BLOCK_N - 1`` before ``end``."""
-    toks = tile + tl.arange(0, BLOCK_N)
-    t_mask = toks < end
-    if V_TOKEN_MAJOR:  # tiles start on multiples of BLOCK_N, which divides BLOCK_SIZE
-        blk = tl.load(bt_row + tile // BLOCK_SIZE).to(tl.int64)
-        row = tl.multiple_of(tile % BLOCK_SIZE, BLOCK_N) + tl.arange(0, BLOCK_N)
-    else:  # masked lanes never touch the table, so padding entries (-1, garbage) are never used
-        blk = tl.load(bt_row + toks // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        row = toks % BLOCK_SIZE
-    k = tl.load(k_base + (blk * stride_kb + row * stride_kt)[:, None], mask=t_mask[:, None], other=0.0)
-    k = k.to(q.dtype)  # a float8 cache holds K/V at scale 1
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    s = tl.where(t_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if V_TOKEN_MAJOR:  # v_base spans head_dim down its rows: V^T, tokens contiguous
-        # Whole tiles, unmasked (a mask along the tokens would cut the loads to single bytes):
-        # the tile lies in one allocated block, and a token-major V holds only finite values,
-        # which p == 0 cancels.
-        v = tl.trans(tl.load(v_base + blk * stride_vb + row[None, :]).to(q.dtype))
-    else:
-        v = tl.load(v_base + (blk * stride_vb + row * stride_vt)[:, None], mask=t_mask[:, None], other=0.0)
-        v = v.to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
 
 
 # sizes that vary step to step are not specialised on, so they trigger no recompilation
@@ -125,20 +105,20 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + q_offs, mask=g_mask[:, None], other=0.0)
     if F16_DOT:
         q = fp16_query(q)
-    k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
-    if V_TOKEN_MAJOR:
-        v_base = v_cache_ptr + kv_head * stride_vh + offs_d[:, None] * stride_vd
-    else:
-        v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
+    k_base, v_base = kv_head_bases(
+        k_cache_ptr, v_cache_ptr, kv_head, offs_d, stride_kh, stride_vh, stride_vd, V_TOKEN_MAJOR
+    )
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for tile in range(start, end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, k_base, v_base, bt_row, tile, end, qk_scale, stride_kb, stride_kt,
-            stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, V_TOKEN_MAJOR, DOT_PRECISION,
+        # pos is unread under MASK_CONTEXT_END; a token-major V's splits start on whole tiles
+        acc, m_i, l_i = attend_tile(
+            q, acc, m_i, l_i, k_base, v_base, bt_row, tile, end, end, qk_scale, stride_kb, stride_kt,
+            stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, MASK_CONTEXT_END, V_TOKEN_MAJOR, V_TOKEN_MAJOR,
+            DOT_PRECISION,
         )  # fmt: skip
 
     # An empty split has l_i == 0: write zeros and lse = -inf so the reduce gives it no weight.
@@ -156,16 +136,39 @@ def _decode_split_kernel(
         tl.store(lse_ptr + row_offs // HEAD_DIM, lse, mask=g_mask)
 
 
+class DecodeLaunch(NamedTuple):
+    """How :func:`paged_decode_attention` launches its split kernel."""
+
+    block_n: int  # tokens per KV tile
+    split_align: int  # split lengths are multiples of this
+    num_stages: int
+    num_warps: int
+    f16_dot: bool  # computes in fp16 (:func:`~nanovllm.kernels.attention_common.reads_in_fp16`)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, num_sms: int) -> int:
+    """Splits per (sequence, KV head) so the grid has ~_PROGRAMS_PER_SM programs per SM.
+
+    Depends on static shapes only (CUDA-graph safe); capped so that a sequence filling the
+    whole block table (``max_blocks * block_size`` tokens) still gives every split at least
+    _MIN_SPLIT_TOKENS tokens. Splits may end mid-block: tokens are gathered one by one.
+    """
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, batch * num_kv_heads)
+    cap = triton.cdiv(max_blocks * block_size, _MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, cap))
+
+
 def launch_settings(
     num_splits: int,
     head_dim: int,
     cache_element_size: int,
     q_dtype: torch.dtype,
-    token_major_block_size: int | None = None,
-) -> tuple[int, int, int, int, bool]:
-    """(tile tokens, split alignment, stages, warps, fp16 dot) of a launch with ``num_splits``
-    splits; for a token-major V, ``token_major_block_size`` is the cache's block size (tiles lie
-    inside one, and splits start on whole tiles)."""
+    layout: KVLayout,
+    block_size: int,
+) -> DecodeLaunch:
+    """The launch with ``num_splits`` splits over a cache of ``layout`` with ``block_size``-token
+    blocks: a token-major V's tiles lie inside one block, and its splits start on whole tiles."""
+    token_major = layout.v_token_major
     f16_dot = reads_in_fp16(cache_element_size, q_dtype)
     if num_splits == 1:
         block_n = min(128, _FINAL_TILE_BYTES // (head_dim * cache_element_size))
@@ -173,15 +176,15 @@ def launch_settings(
     else:
         few = num_splits <= _FEW_SPLITS
         block_n, stages = _SPLIT_BLOCK_N, _SPLIT_STAGES
-        if token_major_block_size is not None:  # an 8-bit V
+        if token_major:  # an 8-bit V
             block_n = _FINAL_TILE_BYTES // (head_dim * cache_element_size) if few else 2 * _SPLIT_BLOCK_N
         num_warps = _FEW_SPLITS_WARPS if few else _NUM_WARPS
-        f16_dot = f16_dot and token_major_block_size is not None
+        f16_dot = f16_dot and token_major
     split_align = _SPLIT_ALIGN
-    if token_major_block_size is not None:
-        block_n = min(block_n, token_major_block_size)
+    if token_major:
+        block_n = min(block_n, block_size)
         split_align = max(split_align, block_n)
-    return block_n, split_align, stages, num_warps, f16_dot
+    return DecodeLaunch(block_n, split_align, stages, num_warps, f16_dot)
 
 
 def paged_decode_attention(
@@ -193,26 +196,22 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     row_order: torch.Tensor | None = None,
+    *,
+    layout: KVLayout = KVLayout.DIM_MAJOR,
 ) -> torch.Tensor:
-    """Triton flash-decoding version of :func:`paged_decode_attention_ref` (same semantics);
-    ``row_order`` (int32 ``[batch]``, optional) names the rows in the order their programs
-    start, e.g. longest context first (-1: the row's own index).
+    """Triton flash-decoding version of :func:`paged_decode_attention_ref` (same semantics)
+    over caches laid out as ``layout``; ``row_order`` (int32 ``[batch]``, optional) names the
+    rows in the order their programs start, e.g. longest context first (-1: the row's own
+    index).
 
     Each program reads a KV tile once for all query heads of its GQA group. The context is
     cut into ``num_splits`` pieces (default :func:`default_num_splits`) combined by a second
-    kernel. No host syncs; the grid depends only on shapes, so it is CUDA-graph safe.
-    Needs a power-of-two head_dim >= 16, ``stride(-1) == 1`` for q and k_cache, and a
-    dim-major or token-major v_cache (:mod:`~nanovllm.kernels.store_kvcache`).
+    kernel. No host syncs; the grid depends only on shapes, so it is CUDA-graph safe. Inputs
+    as :func:`~nanovllm.kernels.attention_common.check_inputs` takes them.
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError("num_heads must be a multiple of num_kv_heads")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
-        raise ValueError("q and k_cache need a unit stride in the last dimension")
-    v_token_major = is_token_major(v_cache)
+    check_inputs(q, k_cache, v_cache, layout)
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = default_num_splits(
@@ -228,9 +227,7 @@ def paged_decode_attention(
     else:
         part = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, device=q.device)
-    block_n, split_align, num_stages, num_warps, f16_dot = launch_settings(
-        num_splits, head_dim, k_cache.element_size(), q.dtype, block_size if v_token_major else None
-    )
+    launch = launch_settings(num_splits, head_dim, k_cache.element_size(), q.dtype, layout, block_size)
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q,
         k_cache,
@@ -240,7 +237,7 @@ def paged_decode_attention(
         row_order if row_order is not None else context_lens,
         part,
         lse,
-        scale * _LOG2E,
+        scale * LOG2E,
         num_splits,
         *q.stride()[:2],
         *k_cache.stride()[:3],
@@ -251,15 +248,15 @@ def paged_decode_attention(
         BLOCK_G=max(_MIN_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
-        SPLIT_ALIGN=split_align,
+        BLOCK_N=launch.block_n,
+        SPLIT_ALIGN=launch.split_align,
         FINAL=num_splits == 1,
         HAS_ORDER=row_order is not None,
-        V_TOKEN_MAJOR=v_token_major,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        F16_DOT=f16_dot,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        V_TOKEN_MAJOR=layout.v_token_major,
+        DOT_PRECISION=dot_precision(q.dtype),
+        F16_DOT=launch.f16_dot,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     if num_splits > 1:
         combine_splits(part, lse, out)

@@ -1,32 +1,19 @@
-"""Flash-decoding's other half: how many splits a context is cut into, and the kernel that
-combines the splits' partial outputs."""
+"""Flash-decoding's second kernel: it combines the partial outputs of a context's splits
+(:mod:`decode_attention` cuts and attends them)."""
 
 import torch
 import triton
 import triton.language as tl
 
-_MIN_SPLIT_TOKENS = 64  # default splits never cut a full block table finer than this
-_PROGRAMS_PER_SM = 4  # default split count aims at this many programs per SM
 _REDUCE_CHUNK = 64  # splits combined per reduce step (bounds its registers)
 _REDUCE_BLOCK_D = 32  # head dims per reduce program: more programs, each with a short chain
 
 
-def num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # CPU interpreter: any small number keeps the split logic exercised
-
-
-def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, num_sms: int) -> int:
-    """Splits per (sequence, KV head) so the grid has ~_PROGRAMS_PER_SM programs per SM.
-
-    Depends on static shapes only (CUDA-graph safe); capped so that a sequence filling the
-    whole block table (``max_blocks * block_size`` tokens) still gives every split at least
-    _MIN_SPLIT_TOKENS tokens. Splits may end mid-block: tokens are gathered one by one.
-    """
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, batch * num_kv_heads)
-    cap = triton.cdiv(max_blocks * block_size, _MIN_SPLIT_TOKENS)
-    return max(1, min(wanted, cap))
+def combine_splits_ref(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Plain-torch reference of :func:`combine_splits` (same arguments)."""
+    weights = torch.exp2(lse - lse.amax(dim=-1, keepdim=True))
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    out.copy_((part * weights[..., None]).sum(dim=2))
 
 
 @triton.jit(do_not_specialize=["num_splits"])

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.kernels.decode_reduce import num_sms
+from nanovllm.kernels.device import capability, num_sms
 from nanovllm.kernels.silu_and_mul import silu_and_mul_ref
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, warp-specialised): the best of a sweep on H200 at
@@ -86,7 +86,7 @@ def gate_up_silu_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.shape[0] % 16 == 0
         and x.data_ptr() % 16 == 0
         and weight.data_ptr() % 16 == 0
-        and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] >= 9)
+        and (x.device.type != "cuda" or capability(x.device)[0] >= 9)
     )
 
 

@@ -1,25 +1,30 @@
 """Paged prefill attention: new query tokens against a cached prefix plus themselves, causal."""
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.store_kvcache import fp16_query, is_token_major, reads_in_fp16
+from nanovllm.kernels.attention_common import (
+    LOG2E,
+    MASK_CAUSAL,
+    MASK_NONE,
+    attend_tile,
+    check_inputs,
+    dot_precision,
+    fp16_query,
+    kv_head_bases,
+    reads_in_fp16,
+)
+from nanovllm.kernels.kv_layout import KVLayout
 
-_LOG2E = 1.4426950408889634
 # Tiles measured on H200 (bf16, head_dim 128): 128 (token, head) rows per program against
 # 64-key tiles, 4 warps, 3 stages; 4-byte activations (fp32 tests) halve both so that the
 # q tile, the accumulator and the stages still fit.
 _TILE_BYTES_M, _TILE_BYTES_N = 128 * 128 * 2, 64 * 128 * 2
 _MAX_BLOCK_M, _MAX_BLOCK_N = 128, 64
 _NUM_WARPS = 4
-
-
-def _tiles(head_dim: int, element_size: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_stages) for a head size and activation width."""
-    block_m = min(_MAX_BLOCK_M, _TILE_BYTES_M // (head_dim * element_size))
-    block_n = min(_MAX_BLOCK_N, _TILE_BYTES_N // (head_dim * element_size))
-    return block_m, block_n, 3 if element_size <= 2 else 2
 
 
 def paged_prefill_attention_ref(
@@ -60,64 +65,6 @@ def paged_prefill_attention_ref(
         o = torch.einsum("hgqt,thd->qhgd", probs, v).reshape(q_len, num_heads, head_dim)
         out[q_start:q_end] = o.to(q.dtype)
     return out
-
-
-@triton.jit
-def _attend_tile(
-    q,
-    acc,
-    m_i,
-    l_i,
-    k_base,
-    v_base,
-    bt_row,
-    tile,
-    kv_end,
-    pos,
-    qk_scale,
-    stride_kb,
-    stride_kt,
-    stride_vb,
-    stride_vt,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    V_TOKEN_MAJOR: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Online-softmax update with the keys ``tile .. tile + BLOCK_N - 1``. Unmasked tiles lie
-    before ``kv_end`` and before every row's position. A token-major V's ``v_base`` spans
-    head_dim down its rows (the launcher then makes BLOCK_N divide BLOCK_SIZE)."""
-    keys = tile + tl.arange(0, BLOCK_N)
-    if BLOCK_SIZE % BLOCK_N == 0:  # tiles start at multiples of BLOCK_N: one cache block each
-        blk = tl.load(bt_row + tile // BLOCK_SIZE).to(tl.int64)
-        row = tl.multiple_of(tile % BLOCK_SIZE, BLOCK_N) + tl.arange(0, BLOCK_N)
-    else:  # masked lanes never touch the table, so padding entries are never used
-        blk = tl.load(bt_row + keys // BLOCK_SIZE, mask=keys < kv_end, other=0).to(tl.int64)
-        row = keys % BLOCK_SIZE
-    k_ptrs = k_base + (blk * stride_kb + row * stride_kt)[:, None]
-    if MASKED:
-        k = tl.load(k_ptrs, mask=(keys < kv_end)[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-    # a float8 cache holds K/V at scale 1
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-    if MASKED:
-        s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if V_TOKEN_MAJOR:  # whole tiles of an allocated block, unmasked, as in decode
-        v = tl.trans(tl.load(v_base + blk * stride_vb + row[None, :]).to(q.dtype))
-    else:
-        v_ptrs = v_base + (blk * stride_vb + row * stride_vt)[:, None]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=(keys < kv_end)[:, None], other=0.0).to(q.dtype)
-        else:
-            v = tl.load(v_ptrs).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
 
 
 # the block-table width changes with every batch: do not specialise (recompile) on it
@@ -182,11 +129,9 @@ def _prefill_kernel(
     )
     if F16_DOT:
         q = fp16_query(q)
-    k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
-    if V_TOKEN_MAJOR:
-        v_base = v_cache_ptr + kv_head * stride_vh + offs_d[:, None] * stride_vd
-    else:
-        v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
+    k_base, v_base = kv_head_bases(
+        k_cache_ptr, v_cache_ptr, kv_head, offs_d, stride_kh, stride_vh, stride_vd, V_TOKEN_MAJOR
+    )
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Keys needed by the last real token of this tile; key 0 is visible to every row.
     kv_end = prefix + tl.minimum((row0 + BLOCK_M - 1) // GROUP, q_len - 1) + 1
@@ -196,22 +141,47 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # tiles start at multiples of BLOCK_N: where it divides BLOCK_SIZE, each lies in one block
     for tile in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i, k_base, v_base, bt_row, tile, kv_end, pos, qk_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, False, V_TOKEN_MAJOR,
-            DOT_PRECISION,
+            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, MASK_NONE,
+            BLOCK_SIZE % BLOCK_N == 0, V_TOKEN_MAJOR, DOT_PRECISION,
         )  # fmt: skip
     for tile in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i, k_base, v_base, bt_row, tile, kv_end, pos, qk_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, True, V_TOKEN_MAJOR,
-            DOT_PRECISION,
+            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, MASK_CAUSAL,
+            BLOCK_SIZE % BLOCK_N == 0, V_TOKEN_MAJOR, DOT_PRECISION,
         )  # fmt: skip
 
     acc = acc / l_i[:, None]
     out_offs = q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=r_mask[:, None])
+
+
+class PrefillLaunch(NamedTuple):
+    """How :func:`paged_prefill_attention` launches its kernel."""
+
+    block_m: int  # (token, query head) rows per program
+    block_n: int  # keys per KV tile
+    num_stages: int
+    num_warps: int
+    f16_dot: bool  # computes in fp16 (:func:`~nanovllm.kernels.attention_common.reads_in_fp16`)
+
+
+def launch_settings(
+    head_dim: int, cache_element_size: int, q_dtype: torch.dtype, layout: KVLayout, block_size: int
+) -> PrefillLaunch:
+    """The launch for a ``q_dtype`` query over a cache of ``layout`` with ``block_size``-token
+    blocks: a token-major V's tiles lie inside one block."""
+    q_bytes = q_dtype.itemsize
+    block_m = min(_MAX_BLOCK_M, _TILE_BYTES_M // (head_dim * q_bytes))
+    block_n = min(_MAX_BLOCK_N, _TILE_BYTES_N // (head_dim * q_bytes))
+    if layout.v_token_major:
+        block_n = min(block_n, block_size)
+    num_stages = 3 if q_bytes <= 2 else 2
+    return PrefillLaunch(block_m, block_n, num_stages, _NUM_WARPS, reads_in_fp16(cache_element_size, q_dtype))
 
 
 def paged_prefill_attention(
@@ -223,32 +193,26 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_seqlen_q: int,
+    *,
+    layout: KVLayout = KVLayout.DIM_MAJOR,
 ) -> torch.Tensor:
-    """Triton version of :func:`paged_prefill_attention_ref` (same semantics).
+    """Triton version of :func:`paged_prefill_attention_ref` (same semantics) over caches laid
+    out as ``layout``.
 
     ``max_seqlen_q`` (host int, >= every q_len) sizes the grid. Each program covers BLOCK_M
     (token, query head) pairs of one KV head, so K/V tiles are shared across the GQA group.
-    Needs a power-of-two head_dim >= 16, ``stride(-1) == 1`` for q and k_cache, and a
-    dim-major or token-major v_cache (:mod:`~nanovllm.kernels.store_kvcache`).
+    Inputs as :func:`~nanovllm.kernels.attention_common.check_inputs` takes them.
     """
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError("num_heads must be a multiple of num_kv_heads")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
-        raise ValueError("q and k_cache need a unit stride in the last dimension")
-    v_token_major = is_token_major(v_cache)
+    check_inputs(q, k_cache, v_cache, layout)
     group = num_heads // num_kv_heads
     batch = cu_seqlens_q.shape[0] - 1
     out = torch.empty_like(q)
     if total_q == 0 or batch == 0:
         return out
-    block_m, block_n, num_stages = _tiles(head_dim, q.element_size())
-    if v_token_major:  # whole tiles inside one block
-        block_n = min(block_n, block_size)
-    grid = (num_kv_heads, batch, triton.cdiv(max_seqlen_q * group, block_m))
+    launch = launch_settings(head_dim, k_cache.element_size(), q.dtype, layout, block_size)
+    grid = (num_kv_heads, batch, triton.cdiv(max_seqlen_q * group, launch.block_m))
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -257,7 +221,7 @@ def paged_prefill_attention(
         cu_seqlens_q,
         context_lens,
         block_tables,
-        scale * _LOG2E,
+        scale * LOG2E,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -268,12 +232,12 @@ def paged_prefill_attention(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        V_TOKEN_MAJOR=v_token_major,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        F16_DOT=reads_in_fp16(k_cache.element_size(), q.dtype),
-        num_warps=_NUM_WARPS,
-        num_stages=num_stages,
+        BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n,
+        V_TOKEN_MAJOR=layout.v_token_major,
+        DOT_PRECISION=dot_precision(q.dtype),
+        F16_DOT=launch.f16_dot,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out

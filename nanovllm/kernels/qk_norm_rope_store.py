@@ -1,12 +1,40 @@
 """Between the qkv projection and attention, in one kernel: per-head RMSNorm of q and k
 (Qwen3's q_norm/k_norm, optional), the rotary embedding (rotate-half layout), and the store
-of this step's k and v into the paged KV cache (layouts as in :mod:`store_kvcache`)."""
+of this step's k and v into the paged KV cache (layouts as in :mod:`kv_layout`)."""
 
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.store_kvcache import is_token_major, store_kvcache_ref
+from nanovllm.kernels.kv_layout import KVLayout
+
+
+def store_kvcache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    layout: KVLayout = KVLayout.DIM_MAJOR,
+) -> None:
+    """Plain-torch reference of the store: the cache entry of ``slot`` becomes the token's
+    key/value for every slot >= 0, cast to the cache's dtype; into float8, values past its
+    largest saturate (as the kernel's cast does; torch's own cast gives NaN on CUDA). A
+    token-major V is kept finite (:mod:`kv_layout`)."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        new = new[valid]
+        largest = torch.finfo(cache.dtype).max
+        if cache is v_cache and layout.v_token_major:
+            new = new.float().nan_to_num(0.0).clamp(-largest, largest)
+        if cache.element_size() == 1:  # float8: copied as bytes (no float8 index_put_ on CPU)
+            new = new.float().clamp(-largest, largest).to(cache.dtype).view(torch.uint8)
+            cache = cache.view(torch.uint8)
+        cache[blocks, offsets] = new.to(cache.dtype)
 
 
 def _norm_rope_ref(
@@ -32,14 +60,16 @@ def qk_norm_rope_store_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    layout: KVLayout = KVLayout.DIM_MAJOR,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference. q: ``[tokens, heads, head_dim]``; k, v: ``[tokens, kv_heads,
     head_dim]``; cos_sin_cache: ``[max_position, head_dim]`` fp32, cos then sin; weights
     ``[head_dim]`` or None (no norm). Returns the new q and k (v is unchanged) and stores k and
-    v at every slot >= 0."""
+    v at every slot >= 0 (:func:`store_kvcache_ref`) of caches laid out as ``layout``."""
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
     q, k = _norm_rope_ref(q, q_weight, eps, cos, sin), _norm_rope_ref(k, k_weight, eps, cos, sin)
-    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping, layout=layout)
     return q, k
 
 
@@ -120,7 +150,7 @@ def _qk_norm_rope_store_kernel(
         v_row = v_ptr + token * stride_vt + hk * stride_vh + offs
         v1 = tl.load(v_row, mask=k_mask)
         v2 = tl.load(v_row + HALF, mask=k_mask)
-        if V_TOKEN_MAJOR:  # finite values only (see store_kvcache)
+        if V_TOKEN_MAJOR:  # finite values only (see kv_layout)
             v1 = tl.clamp(tl.where(v1 == v1, v1.to(tl.float32), 0.0), -V_LARGEST, V_LARGEST)
             v2 = tl.clamp(tl.where(v2 == v2, v2.to(tl.float32), 0.0), -V_LARGEST, V_LARGEST)
             cache = (slot // BLOCK_SIZE) * stride_vcb + slot % BLOCK_SIZE
@@ -144,20 +174,23 @@ def qk_norm_rope_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    layout: KVLayout = KVLayout.DIM_MAJOR,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`qk_norm_rope_store_ref`; q and k are rewritten in place (they
-    may be views into a fused qkv projection, ``stride(-1) == 1``) and returned."""
+    """Triton version of :func:`qk_norm_rope_store_ref` (same arguments); q and k are
+    rewritten in place (they may be views into a fused qkv projection, ``stride(-1) == 1``) and
+    returned."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if head_dim < 2 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two, got {head_dim}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v need a unit stride in the last dimension")
-    v_token_major = is_token_major(v_cache)
+    layout.check(v_cache)
     if not (k_cache.is_contiguous() and cos_sin_cache.is_contiguous()):
         raise ValueError("k_cache and cos_sin_cache must be contiguous")
-    if not (v_token_major or v_cache.is_contiguous()):
-        raise ValueError("v_cache must be contiguous or token-major")
+    if not (layout.v_token_major or v_cache.is_contiguous()):
+        raise ValueError("a dim-major v_cache must be contiguous")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("q_weight and k_weight go together")
     if num_tokens == 0:
@@ -192,7 +225,7 @@ def qk_norm_rope_store(
         HALF=head_dim // 2,
         HAS_NORM=has_norm,
         BLOCK_SIZE=k_cache.shape[1],
-        V_TOKEN_MAJOR=v_token_major,
+        V_TOKEN_MAJOR=layout.v_token_major,
         V_LARGEST=torch.finfo(v_cache.dtype).max,
     )
     return q, k

@@ -4,10 +4,12 @@ import torch
 from torch import nn
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata, QKTransform
+from nanovllm.kernels.kv_layout import KVLayout
 
 
 class Attention(nn.Module):
-    """Paged attention over one layer's cache; ``k_cache``/``v_cache`` are set by the runner."""
+    """Paged attention over one layer's cache; ``k_cache``/``v_cache`` and their ``kv_layout``
+    are set by the runner."""
 
     def __init__(
         self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, backend: AttentionBackend
@@ -21,6 +23,7 @@ class Attention(nn.Module):
         )
         self.backend = backend
         self.k_cache = self.v_cache = torch.tensor([])
+        self.kv_layout = KVLayout.DIM_MAJOR
 
     def forward(
         self,
@@ -32,13 +35,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q: ``[tokens, heads, head_dim]``; k, v: ``[tokens, kv_heads, head_dim]``, before
         ``transform`` (q and k may be rewritten in place)."""
-        backend = self.backend
-        q, k = backend.prepare(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, transform)
+        backend, cache = self.backend, (self.k_cache, self.v_cache, self.kv_layout)
+        q, k = backend.prepare(q, k, v, *cache, meta.slot_mapping, transform)
         if not meta.is_prefill:
-            return backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)
+            return backend.decode(q, *cache, meta, self.scale)
         d = meta.num_decode_tokens
         if not d:
-            return backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        decoded = backend.decode(q[:d], self.k_cache, self.v_cache, meta.decode, self.scale)
-        prefilled = backend.prefill(q[d:], k[d:], v[d:], self.k_cache, self.v_cache, meta, self.scale)
+            return backend.prefill(q, k, v, *cache, meta, self.scale)
+        decoded = backend.decode(q[:d], *cache, meta.decode, self.scale)
+        prefilled = backend.prefill(q[d:], k[d:], v[d:], *cache, meta, self.scale)
         return torch.cat((decoded, prefilled))

@@ -9,7 +9,9 @@ import torch
 
 from nanovllm.kernels import decode_attention as dec
 from nanovllm.kernels import prefill_attention as pre
-from nanovllm.kernels import store_kvcache as store
+from nanovllm.kernels.decode_reduce import combine_splits, combine_splits_ref
+from nanovllm.kernels.kv_layout import KVLayout
+from nanovllm.kernels.qk_norm_rope_store import store_kvcache_ref
 from tests.interpreter import DEVICE
 
 # on a GPU machine these run on the device too (``-m gpu``); on CPU, under the interpreter
@@ -17,6 +19,7 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3}
+LAYOUTS = pytest.mark.parametrize("layout", list(KVLayout), ids=[layout.value for layout in KVLayout])
 
 
 def make_cache(
@@ -27,11 +30,10 @@ def make_cache(
     dtype: torch.dtype,
     pad: str = "neg",
     seed: int = 0,
-    token_major_v: bool = False,
+    layout: KVLayout = KVLayout.DIM_MAJOR,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random caches with shuffled blocks; table entries past each sequence's end are padding:
-    -1 (``pad="neg"``) or real blocks of other sequences (``pad="garbage"``). V is stored
-    token-major when asked, as the engine stores a float8 V."""
+    """Random caches in ``layout`` with shuffled blocks; table entries past each sequence's end
+    are padding: -1 (``pad="neg"``) or real blocks of other sequences (``pad="garbage"``)."""
     gen = torch.Generator().manual_seed(seed)
     used = [(c + block_size - 1) // block_size for c in context_lens]
     max_blocks = max(used) + 2
@@ -50,8 +52,7 @@ def make_cache(
         tables[b, :n] = perm[start : start + n]
         start += n
     lens = torch.tensor(context_lens, dtype=torch.int32)
-    if token_major_v:
-        v_cache = store.as_token_major(torch.empty_like(v_cache)).copy_(v_cache)
+    v_cache = layout.v_view(torch.empty_like(v_cache)).copy_(v_cache)
     return k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE), lens.to(DEVICE)
 
 
@@ -88,8 +89,8 @@ def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("token_major_v", [False, True], ids=["v_dim_major", "v_token_major"])
-def test_store_kvcache_ref(dtype: torch.dtype, token_major_v: bool) -> None:
+@LAYOUTS
+def test_store_kvcache_ref(dtype: torch.dtype, layout: KVLayout) -> None:
     num_tokens, num_kv_heads, head_dim, block_size = 11, 2, 64, 16
     qkv = make_q(num_tokens, 4, num_kv_heads, head_dim, dtype)._base
     key, value = qkv[:, 4:6], qkv[:, 6:8]  # strided views, as split from a fused qkv
@@ -104,9 +105,8 @@ def test_store_kvcache_ref(dtype: torch.dtype, token_major_v: bool) -> None:
             expected_v.view(-1, num_kv_heads, head_dim)[s] = value[t]
     slots = slots.to(DEVICE)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    if token_major_v:
-        ref_v = store.as_token_major(torch.empty_like(ref_v)).copy_(ref_v)
-    store.store_kvcache_ref(key, value, ref_k, ref_v, slots)
+    ref_v = layout.v_view(torch.empty_like(ref_v)).copy_(ref_v)
+    store_kvcache_ref(key, value, ref_k, ref_v, slots, layout=layout)
     assert torch.equal(ref_k, expected_k) and torch.equal(ref_v, expected_v)
 
 
@@ -122,20 +122,19 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("token_major_v", [False, True], ids=["v_dim_major", "v_token_major"])
+@LAYOUTS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim,num_splits,pad", DECODE_CASES)
-def test_decode_attention(block_size, num_kv_heads, head_dim, num_splits, pad, dtype, token_major_v) -> None:
+def test_decode_attention(block_size, num_kv_heads, head_dim, num_splits, pad, dtype, layout) -> None:
     lens = [1, block_size, block_size + 1, 3 * block_size - 5, 4 * block_size]
     if block_size == 64:
         lens = [1, 65, 130, 7]
     k_cache, v_cache, tables, ctx = make_cache(
-        lens, block_size, num_kv_heads, head_dim, dtype, pad, token_major_v=token_major_v
+        lens, block_size, num_kv_heads, head_dim, dtype, pad, layout=layout
     )
-    assert store.is_token_major(v_cache) == token_major_v
     q = make_q(len(lens), 8, num_kv_heads, head_dim, dtype)
     scale = head_dim**-0.5
-    out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits)
+    out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits, layout=layout)
     check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, scale), dtype)
 
 
@@ -148,19 +147,19 @@ def test_decode_attention_combines_many_splits() -> None:
     check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.2), torch.float32)
 
 
-@pytest.mark.parametrize("token_major_v", [False, True], ids=["v_dim_major", "v_token_major"])
+@LAYOUTS
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention_in_a_given_row_order(num_splits, token_major_v) -> None:
+def test_decode_attention_in_a_given_row_order(num_splits, layout) -> None:
     """Programs take their rows from ``row_order`` (longest first here; -1 keeps a row in its
     own place): every row still gets its own output."""
     lens = [5, 70, 33, 1, 48, 17]
-    k_cache, v_cache, tables, ctx = make_cache(
-        lens, 16, 2, 64, torch.float32, "garbage", token_major_v=token_major_v
-    )
+    k_cache, v_cache, tables, ctx = make_cache(lens, 16, 2, 64, torch.float32, "garbage", layout=layout)
     q = make_q(len(lens), 8, 2, 64, torch.float32)
     # the first four rows longest first, the last two (as a CUDA graph's padding) in place
     order = torch.tensor([1, 2, 0, 3, -1, -1], dtype=torch.int32, device=DEVICE)
-    out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, num_splits, row_order=order)
+    out = dec.paged_decode_attention(
+        q, k_cache, v_cache, tables, ctx, 0.2, num_splits, row_order=order, layout=layout
+    )
     check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.2), torch.float32)
 
 
@@ -194,11 +193,11 @@ def test_bad_head_dim() -> None:
 
 
 def prefill_inputs(
-    prefixes, q_lens, block_size, num_kv_heads, head_dim, dtype, pad="neg", token_major_v=False
+    prefixes, q_lens, block_size, num_kv_heads, head_dim, dtype, pad="neg", layout=KVLayout.DIM_MAJOR
 ):
     lens = [p + n for p, n in zip(prefixes, q_lens)]
     k_cache, v_cache, tables, ctx = make_cache(
-        lens, block_size, num_kv_heads, head_dim, dtype, pad, token_major_v=token_major_v
+        lens, block_size, num_kv_heads, head_dim, dtype, pad, layout=layout
     )
     q = make_q(sum(q_lens), 8, num_kv_heads, head_dim, dtype)
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().to(DEVICE)
@@ -216,13 +215,13 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("token_major_v", [False, True], ids=["v_dim_major", "v_token_major"])
+@LAYOUTS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim,prefixes,q_lens,pad", PREFILL_CASES)
-def test_prefill_attention(block_size, num_kv_heads, head_dim, prefixes, q_lens, pad, dtype, token_major_v):
-    args = prefill_inputs(prefixes, q_lens, block_size, num_kv_heads, head_dim, dtype, pad, token_major_v)
+def test_prefill_attention(block_size, num_kv_heads, head_dim, prefixes, q_lens, pad, dtype, layout):
+    args = prefill_inputs(prefixes, q_lens, block_size, num_kv_heads, head_dim, dtype, pad, layout)
     scale = head_dim**-0.5
-    out = pre.paged_prefill_attention(*args, scale, max(q_lens))
+    out = pre.paged_prefill_attention(*args, scale, max(q_lens), layout=layout)
     check(out, pre.paged_prefill_attention_ref(*args, scale), dtype)
 
 
@@ -246,51 +245,52 @@ def test_decode_matches_prefill_q_len_1() -> None:
     torch.testing.assert_close(out, dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, 2))
 
 
-@pytest.mark.parametrize("token_major_v", [False, True], ids=["v_dim_major", "v_token_major"])
+@LAYOUTS
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_float8_cache_is_read_at_scale_1(dtype, num_splits, token_major_v) -> None:
+def test_float8_cache_is_read_at_scale_1(dtype, num_splits, layout) -> None:
     """Decode and prefill over a float8 (e4m3) cache equal the references, which read it at
     scale 1: the kernels dequantise K/V exactly as the references do."""
     lens = [1, 16, 33, 70]
-    k_cache, v_cache, tables, ctx = make_cache(lens, 16, 2, 64, dtype, token_major_v=token_major_v)
+    k_cache, v_cache, tables, ctx = make_cache(lens, 16, 2, 64, dtype, layout=layout)
     k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
-    assert store.is_token_major(v_cache) == token_major_v  # .to() keeps the layout
+    layout.check(v_cache)  # .to() keeps the layout
     q = make_q(len(lens), 8, 2, 64, dtype)
-    out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, num_splits)
+    out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, num_splits, layout=layout)
     check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.125), dtype)
     q_lens = [1, 5, 33, 20]
     q = make_q(sum(q_lens), 8, 2, 64, dtype)
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().to(DEVICE)
     args = (q, k_cache, v_cache, cu, ctx, tables, 0.125)
-    check(pre.paged_prefill_attention(*args, max(q_lens)), pre.paged_prefill_attention_ref(*args), dtype)
+    out = pre.paged_prefill_attention(*args, max(q_lens), layout=layout)
+    check(out, pre.paged_prefill_attention_ref(*args), dtype)
 
 
-@pytest.mark.parametrize("token_major_v", [False, True], ids=["v_dim_major", "v_token_major"])
+@LAYOUTS
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_nan_past_the_context_stays_out(num_splits, token_major_v) -> None:
+def test_nan_past_the_context_stays_out(num_splits, layout) -> None:
     """An earlier request left NaN in the slots past each sequence's context: they reach
     neither decode nor prefill. A dim-major V is masked; a token-major V is read whole, so
     there the NaN goes through the store, which keeps it finite."""
     lens = [5, 32, 40, 17]
-    k_cache, v_cache, tables, ctx = make_cache(lens, 32, 2, 64, torch.float32, token_major_v=token_major_v)
+    k_cache, v_cache, tables, ctx = make_cache(lens, 32, 2, 64, torch.float32, layout=layout)
     live = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device=DEVICE)
     for b, n in enumerate(lens):
         for t in range(n):
             live[tables[b, t // 32], t % 32] = True
     dead = (~live).flatten().nonzero().flatten()
     nans = torch.full((dead.numel(), 2, 64), float("nan"), device=DEVICE)
-    store.store_kvcache_ref(nans, nans, k_cache, v_cache, dead)
+    store_kvcache_ref(nans, nans, k_cache, v_cache, dead, layout=layout)
     assert k_cache[~live].isnan().all()
-    assert (v_cache[~live] == 0).all() if token_major_v else v_cache[~live].isnan().all()
+    assert (v_cache[~live] == 0).all() if layout.v_token_major else v_cache[~live].isnan().all()
     q = make_q(len(lens), 8, 2, 64, torch.float32)
-    out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, num_splits)
+    out = dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, num_splits, layout=layout)
     check(out, dec.paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.2), torch.float32)
     q_lens = [5, 3, 40, 1]
     q = make_q(sum(q_lens), 8, 2, 64, torch.float32)
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().to(DEVICE)
     args = (q, k_cache, v_cache, cu, ctx, tables, 0.2)
-    out = pre.paged_prefill_attention(*args, max(q_lens))
+    out = pre.paged_prefill_attention(*args, max(q_lens), layout=layout)
     assert not out.isnan().any()
     check(out, pre.paged_prefill_attention_ref(*args), torch.float32)
 
@@ -300,8 +300,40 @@ def test_store_keeps_a_token_major_v_finite(dtype) -> None:
     """NaN is stored as 0 and infinities as the dtype's largest, into a token-major V only."""
     value = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e6, 0.5]).view(5, 1, 1).expand(5, 1, 16)
     k_cache = torch.zeros(1, 16, 1, 16, dtype=dtype)
-    v_cache = store.as_token_major(torch.zeros_like(k_cache))
-    store.store_kvcache_ref(value, value, k_cache, v_cache, torch.arange(5))
+    layout = KVLayout.V_TOKEN_MAJOR
+    v_cache = layout.v_view(torch.zeros_like(k_cache))
+    store_kvcache_ref(value, value, k_cache, v_cache, torch.arange(5), layout=layout)
     largest = torch.finfo(dtype).max
     assert v_cache[0, :5, 0, 0].float().tolist() == [0.0, largest, -largest, min(1e6, largest), 0.5]
     assert k_cache[0, 0, 0, 0].float().isnan()  # K is masked where unused: it may keep one
+
+
+@pytest.mark.parametrize("num_splits", [3, 80])
+def test_combine_splits(num_splits) -> None:
+    """The reduce weighs each split by its base-2 log-sum-exp; empty splits (-inf) weigh 0."""
+    gen = torch.Generator().manual_seed(0)
+    part = torch.randn(3, 4, num_splits, 64, generator=gen)
+    lse = 4 * torch.randn(3, 4, num_splits, generator=gen)
+    lse[:, :, 2:][torch.rand(3, 4, num_splits - 2, generator=gen) < 0.3] = float("-inf")
+    part, lse = part.to(DEVICE), lse.to(DEVICE)
+    out = torch.empty(3, 4, 64, dtype=torch.float16, device=DEVICE)
+    want = torch.empty_like(out)
+    combine_splits(part, lse, out)
+    combine_splits_ref(part, lse, want)
+    check(out, want, torch.float16)
+
+
+def test_engine_layout_per_dtype() -> None:
+    assert KVLayout.for_dtype(torch.float8_e4m3fn) is KVLayout.V_TOKEN_MAJOR
+    assert KVLayout.for_dtype(torch.bfloat16) is KVLayout.DIM_MAJOR
+
+
+@LAYOUTS
+def test_kernels_refuse_a_v_cache_in_another_layout(layout) -> None:
+    """The kernels read the layout they are given; a V cache laid out otherwise is refused."""
+    other = next(other for other in KVLayout if other is not layout)
+    q, k_cache, v_cache, cu, ctx, tables = prefill_inputs([3], [2], 16, 2, 64, torch.float32, layout=other)
+    with pytest.raises(ValueError, match="laid out"):
+        dec.paged_decode_attention(q[:1], k_cache, v_cache, tables, ctx, 0.2, layout=layout)
+    with pytest.raises(ValueError, match="laid out"):
+        pre.paged_prefill_attention(q, k_cache, v_cache, cu, ctx, tables, 0.2, 2, layout=layout)

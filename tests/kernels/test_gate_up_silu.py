@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from nanovllm.kernels.decode_reduce import num_sms
+from nanovllm.kernels.device import num_sms
 from nanovllm.kernels.gate_up_silu import (
     gate_up_silu,
     gate_up_silu_fits,

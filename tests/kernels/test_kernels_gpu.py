@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from nanovllm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from nanovllm.kernels.kv_layout import KVLayout
 from nanovllm.kernels.prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
 from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store, qk_norm_rope_store_ref
 from nanovllm.kernels.sample import sample_tokens, sample_tokens_ref
-from nanovllm.kernels.store_kvcache import as_token_major
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 pytestmark = [
@@ -25,8 +25,8 @@ Q_GAIN = 3.0  # peaked attention keeps outputs O(1) at long contexts, so errors 
 
 def paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, seed=0, cache_dtype=None):
     """K/V caches holding ``lens`` tokens per sequence in shuffled blocks; -1 padded tables.
-    With ``cache_dtype`` (float8), K/V are cast to it and V is token-major, as the engine keeps
-    them."""
+    With ``cache_dtype`` (float8), K/V are cast to it and laid out as the engine keeps them
+    (:meth:`KVLayout.for_dtype`)."""
     torch.manual_seed(seed)
     used = [(n + block_size - 1) // block_size for n in lens]
     num_blocks = sum(used) + 1
@@ -42,7 +42,8 @@ def paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, seed=0, cache_d
     ctx = torch.tensor(lens, device="cuda", dtype=torch.int32)
     if cache_dtype is not None:
         k_cache = k_cache.to(cache_dtype)
-        v_cache = as_token_major(torch.empty_like(v_cache, dtype=cache_dtype)).copy_(v_cache)
+        layout = KVLayout.for_dtype(cache_dtype)
+        v_cache = layout.v_view(torch.empty_like(v_cache, dtype=cache_dtype)).copy_(v_cache)
     return k_cache, v_cache, tables, ctx
 
 
@@ -103,7 +104,8 @@ def test_decode_float8_cache(num_heads, num_kv_heads, num_splits, block_size) ->
         lens, block_size, num_kv_heads, 128, torch.bfloat16, cache_dtype=torch.float8_e4m3fn
     )
     q = torch.randn(9, num_heads, 128, device="cuda", dtype=torch.bfloat16) * Q_GAIN
-    out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, num_splits)
+    layout = KVLayout.for_dtype(k_cache.dtype)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, num_splits, layout=layout)
     check(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.1))
 
 
@@ -169,12 +171,12 @@ def test_qk_norm_rope_store(dtype: torch.dtype, norm: bool, cache_dtype) -> None
     value.mul_(300)  # some values pass float8's largest, 448: both saturate
     k_cache = torch.randn(40, block_size, num_kv_heads, head_dim, device="cuda").to(cache_dtype or dtype)
     v_cache = torch.randn_like(k_cache.float()).to(k_cache.dtype)
-    if cache_dtype is not None:  # V token-major, as the engine stores a float8 V
-        v_cache = as_token_major(torch.empty_like(v_cache)).copy_(v_cache)
+    layout = KVLayout.for_dtype(k_cache.dtype)  # as the engine stores it
+    v_cache = layout.v_view(torch.empty_like(v_cache)).copy_(v_cache)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     args = (positions, cos_sin, *weights, 1e-6)
-    want_q, want_k = qk_norm_rope_store_ref(q, key, value, *args, ref_k, ref_v, slots)
-    got_q, got_k = qk_norm_rope_store(q, key, value, *args, k_cache, v_cache, slots)
+    want_q, want_k = qk_norm_rope_store_ref(q, key, value, *args, ref_k, ref_v, slots, layout=layout)
+    got_q, got_k = qk_norm_rope_store(q, key, value, *args, k_cache, v_cache, slots, layout=layout)
     # fp32 math inside both; the kernel may round a product or two differently before the cast
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got_q, want_q, atol=tol, rtol=tol)
@@ -207,7 +209,8 @@ def test_prefill(block_size, num_heads, num_kv_heads, head_dim, seqs, dtype, cac
     q = torch.randn(sum(q_lens), num_heads, head_dim, device="cuda", dtype=dtype) * Q_GAIN
     cu = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
     scale = head_dim**-0.5
-    out = paged_prefill_attention(q, k_cache, v_cache, cu, ctx, tables, scale, max(q_lens))
+    layout = KVLayout.for_dtype(k_cache.dtype)
+    out = paged_prefill_attention(q, k_cache, v_cache, cu, ctx, tables, scale, max(q_lens), layout=layout)
     check(out, paged_prefill_attention_ref(q, k_cache, v_cache, cu, ctx, tables, scale))
 
 

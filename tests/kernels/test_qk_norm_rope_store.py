@@ -4,8 +4,8 @@ and the reference vs Hugging Face's Qwen3 q/k norm and rotary embedding."""
 import pytest
 import torch
 
-from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store, qk_norm_rope_store_ref
-from nanovllm.kernels.store_kvcache import as_token_major, store_kvcache_ref
+from nanovllm.kernels.kv_layout import KVLayout
+from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store, qk_norm_rope_store_ref, store_kvcache_ref
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from tests.interpreter import DEVICE
 
@@ -32,14 +32,14 @@ def make_inputs(num_tokens, heads, kv_heads, head_dim, dtype, norm: bool, seed=0
 
 
 def token_major_copy(cache: torch.Tensor) -> torch.Tensor:
-    return as_token_major(torch.empty_like(cache)).copy_(cache)
+    return KVLayout.V_TOKEN_MAJOR.v_view(torch.empty_like(cache)).copy_(cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (16, 8, 128), (6, 2, 32)])
-@pytest.mark.parametrize("token_major_v", [False, True], ids=["v_dim_major", "v_token_major"])
-def test_kernel_matches_reference(dtype, norm, heads, kv_heads, head_dim, token_major_v):
+@pytest.mark.parametrize("layout", list(KVLayout), ids=[layout.value for layout in KVLayout])
+def test_kernel_matches_reference(dtype, norm, heads, kv_heads, head_dim, layout):
     rope = RotaryEmbedding(head_dim, 4096, 1e6)
     qkv, q, k, v, positions, qw, kw, slots, cache = make_inputs(11, heads, kv_heads, head_dim, dtype, norm)
     want_q, want_k = qk_norm_rope_store_ref(
@@ -49,16 +49,14 @@ def test_kernel_matches_reference(dtype, norm, heads, kv_heads, head_dim, token_
     store_kvcache_ref(want_k, v, want_kc, want_vc, slots)
 
     qkv, kc, vc = qkv.to(DEVICE), cache.clone().to(DEVICE), cache.clone().to(DEVICE)
-    if token_major_v:
-        vc = token_major_copy(vc)
+    vc = layout.v_view(torch.empty_like(vc)).copy_(vc)
     q, k, v = (t.to(DEVICE) for t in (q, k, v))
     q, k, v = qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=-1)
     q = q.view(11, heads, head_dim)
     k, v = k.view(11, kv_heads, head_dim), v.view(11, kv_heads, head_dim)
     weights = [w.to(DEVICE) if w is not None else None for w in (qw, kw)]
-    got_q, got_k = qk_norm_rope_store(
-        q, k, v, positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), *weights, 1e-6, kc, vc, slots.to(DEVICE)
-    )
+    args = (positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), *weights, 1e-6)
+    got_q, got_k = qk_norm_rope_store(q, k, v, *args, kc, vc, slots.to(DEVICE), layout=layout)
     assert got_q.data_ptr() == q.data_ptr(), "q is rewritten in place"
     tol = TOL[dtype]
     torch.testing.assert_close(got_q.cpu(), want_q, atol=tol, rtol=tol)
@@ -77,13 +75,15 @@ def test_kernel_keeps_a_token_major_v_finite(dtype):
     v[4] = float("nan")
     cos_sin = rope.cos_sin_cache
     want_k, want_v = cache.clone(), token_major_copy(cache)
-    qk_norm_rope_store_ref(q.clone(), k.clone(), v, positions, cos_sin, qw, kw, 1e-6, want_k, want_v, slots)
+    args = (positions, cos_sin, qw, kw, 1e-6)
+    layout = KVLayout.V_TOKEN_MAJOR
+    qk_norm_rope_store_ref(q.clone(), k.clone(), v, *args, want_k, want_v, slots, layout=layout)
     assert want_v.isfinite().all()
     q, k, v, positions, cos_sin, qw, kw, slots = (
         t.clone().to(DEVICE) for t in (q, k, v, positions, cos_sin, qw, kw, slots)
     )
     k_cache, v_cache = cache.clone().to(DEVICE), token_major_copy(cache).to(DEVICE)
-    qk_norm_rope_store(q, k, v, positions, cos_sin, qw, kw, 1e-6, k_cache, v_cache, slots)
+    qk_norm_rope_store(q, k, v, positions, cos_sin, qw, kw, 1e-6, k_cache, v_cache, slots, layout=layout)
     assert torch.equal(v_cache.cpu(), want_v)
 
 
