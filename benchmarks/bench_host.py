@@ -78,7 +78,7 @@ def decode_step(builder: StepInputBuilder) -> tuple[float, float, int]:
     decode step; bytes of its pickle. Scheduling again before postprocessing is a no-op."""
     num_seqs, context = 256, 1024
     blocks = num_seqs * (context // BLOCK + 1)
-    sched = Scheduler(BlockManager(blocks, BLOCK), num_seqs, 16384, 4096, [])
+    sched = Scheduler(BlockManager(blocks, BLOCK), num_seqs, 16384, 4096)
     for i in range(num_seqs):
         sched.add(
             Sequence(i, [(i * 7 + j) % 10000 for j in range(context)], SamplingParams(max_tokens=10**6))
@@ -86,7 +86,7 @@ def decode_step(builder: StepInputBuilder) -> tuple[float, float, int]:
     while sched.waiting:  # admit and prefill everything (no model: pretend each step ran)
         step = sched.schedule()
         builder.build(step.batch)
-        sched.postprocess(step, [1] * len(step.seqs))
+        sched.update_from_output(step, [1] * len(step.seqs))
     batch = sched.schedule().batch
     builder.build(batch)
     return (

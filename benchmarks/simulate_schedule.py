@@ -13,13 +13,9 @@ is then priced on one H200 for Qwen3-8B:
 - decode attention: every decode row's K/V bytes at 4.3 TB/s (the kernel runs at copy speed);
 - 5% for the norms, rotary, KV stores and sampling.
 
-It estimates where a scheduling choice moves the bench, before device time is spent on it.
-At tree ``9b27589`` it gave 48.6 s for 256:512 and 47.4 s for 256:768, where ``bench.py``
-measured 48.9-50.1 s and 47.8-48.2 s; for 256:512 it plans 1,391 decode and 372 mixed steps,
-where ``trace_generate.py`` counted 1,389 and 376 (+1 prefill) with async planning. For
-128:1024 (tree ``2307b1c``) it gave 45.4 s: 1,011 decode steps, 33.9 s, as the trace's 1,011
-(33.3 s), and 37 prompt steps, 11.5 s, where the trace measured 14.3 s; ``bench.py``
-measured 47.7-48.0 s. Its 16,384-token steps are the part to refit.
+It estimates where a scheduling choice moves the bench, before device time is spent on it;
+how its estimates compared with ``bench.py`` and ``trace_generate.py`` is in
+``benchmarks/MEASUREMENTS.md``.
 """
 
 import argparse
@@ -27,10 +23,12 @@ import argparse
 import numpy as np
 
 from bench import workload
+from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.scheduling.block_manager import BlockManager
 from nanovllm.scheduling.scheduler import Scheduler
 from nanovllm.scheduling.sequence import Sequence
+from nanovllm.scheduling.step import StepOutput
 
 LAYERS = 36
 KV_BYTES_PER_TOKEN = LAYERS * 8 * 128 * 2 * 2  # K and V, 8 KV heads of 128 dims, bf16
@@ -53,7 +51,8 @@ def step_ms(decode_rows: int, prompt_tokens: int, decode_context: int) -> float:
 def simulate(args, block_size: int, max_num_seqs: int) -> dict[str, float]:
     prompts, max_tokens = workload(args)
     blocks = BlockManager(args.cache_tokens // block_size, block_size, True)
-    scheduler = Scheduler(blocks, max_num_seqs, args.max_num_batched_tokens, 4096, [], mixed_steps=True)
+    scheduler = Scheduler(blocks, max_num_seqs, args.max_num_batched_tokens, 4096, mixed_steps=True)
+    outputs = OutputProcessor(scheduler, (), 4096)
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
         scheduler.add(Sequence(i, list(prompt), SamplingParams(max_tokens=n, ignore_eos=True)))
     seconds = {"decode": 0.0, "mixed": 0.0}
@@ -62,7 +61,7 @@ def simulate(args, block_size: int, max_num_seqs: int) -> dict[str, float]:
     while not scheduler.is_finished():
         step = scheduler.schedule()
         batch = step.batch
-        d = batch.num_decode_rows
+        d = step.num_decodes
         prompt_tokens = sum(batch.num_tokens[d:])
         context = sum(start + 1 for start in batch.start_positions[:d])
         kind = "mixed" if prompt_tokens else "decode"
@@ -70,7 +69,7 @@ def simulate(args, block_size: int, max_num_seqs: int) -> dict[str, float]:
         steps[kind] += 1
         tokens["decode"] += d
         tokens["prompt"] += prompt_tokens
-        scheduler.postprocess(step, [1] * len(step.seqs))
+        outputs.process(step, StepOutput([1] * len(step.seqs)))
     return {
         "total": sum(seconds.values()),
         "preemptions": scheduler.num_preemptions,

@@ -22,7 +22,8 @@ import torch
 from bench import given_options, workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo_models import SHAPES, write_config
-from nanovllm.execution.model_runner import SampledTokens
+from nanovllm.engine.executor import Executor, PendingOutput
+from nanovllm.scheduling import StepBatch, StepOutput
 
 events: list[tuple[float, str]] = []
 
@@ -52,10 +53,64 @@ def hook_compiles() -> None:
         logging.getLogger(name).addHandler(RecordCompiles())
 
 
-def step_kind(batch) -> str:
+def step_kind(batch: StepBatch) -> str:
     if batch.is_decode:
         return "decode"
-    return "mixed" if batch.num_decode_rows else "prefill"
+    return "mixed" if batch.num_single_token_rows else "prefill"
+
+
+class TracedOutput:
+    """A step's pending output whose read-back is timed."""
+
+    def __init__(self, tracer: "TracingExecutor", pending: PendingOutput):
+        self.tracer, self.pending = tracer, pending
+
+    def result(self) -> StepOutput:
+        tracer = self.tracer
+        tracer.num_in_flight -= 1
+        stall = not tracer.num_in_flight  # nothing queued behind this step: the GPU idles after it
+        start = time.perf_counter()
+        out = self.pending.result()
+        key = "wait, stalling" if stall else "wait, overlapped"
+        tracer.host[key] += time.perf_counter() - start
+        tracer.host[f"# {key}"] += 1
+        return out
+
+
+class TracingExecutor:
+    """The engine's executor with each launch and read-back timed on the host, and CUDA events
+    around each launch's work: the GPU reaches the first once the step before is done and the
+    host has begun this one, so the time between steps is GPU idle."""
+
+    def __init__(self, inner: Executor):
+        self.inner = inner
+        self.num_kvcache_blocks = inner.num_kvcache_blocks
+        self.supports_async_scheduling = inner.supports_async_scheduling
+        self.host: defaultdict[str, float] = defaultdict(float)
+        self.spans: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.launched: deque[str] = deque()  # kinds of the steps launched, not yet collected
+        self.num_in_flight = 0
+
+    def launch(self, batch: StepBatch) -> TracedOutput:
+        ahead = " ahead" if self.num_in_flight else ""
+        start = time.perf_counter()
+        gpu_start, gpu_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        gpu_start.record()
+        pending = self.inner.launch(batch)
+        gpu_end.record()
+        kind = step_kind(batch)
+        self.spans.append((kind, gpu_start, gpu_end))
+        self.launched.append(kind)
+        self.num_in_flight += 1
+        self.host[f"launch {kind}{ahead}"] += time.perf_counter() - start
+        self.host[f"# {kind}{ahead} launches"] += 1
+        return TracedOutput(self, pending)
+
+    def recover(self) -> bool:
+        return self.inner.recover()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def main() -> None:
@@ -87,48 +142,11 @@ def main() -> None:
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
     hook_compiles()
 
-    host = defaultdict(float)
-    original_launch, original_tolist = llm._launch, SampledTokens.tolist
-    launched: deque[str] = deque()  # kinds of the steps launched and not yet collected
-    # per launched step, events around its work: the GPU reaches the first once the step
-    # before is done and the host has begun this one, so the time between steps is GPU idle
-    spans: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-
-    def launch(step):
-        ahead = " ahead" if llm.in_flight else ""
-        start = time.perf_counter()
-        gpu_start, gpu_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        gpu_start.record()
-        original_launch(step)
-        gpu_end.record()
-        kind = step_kind(step.batch)
-        spans.append((kind, gpu_start, gpu_end))
-        launched.append(kind)
-        host[f"launch {kind}{ahead}"] += time.perf_counter() - start
-        host[f"# {kind}{ahead} launches"] += 1
-
-    def tolist(self):
-        stall = not llm.in_flight  # nothing queued behind this step: the GPU idles after it
-        start = time.perf_counter()
-        out = original_tolist(self)
-        key = "wait, stalling" if stall else "wait, overlapped"
-        host[key] += time.perf_counter() - start
-        host[f"# {key}"] += 1
-        return out
-
-    llm._launch = launch
-    SampledTokens.tolist = tolist
-    original_step = llm.step
+    tracer = TracingExecutor(llm.executor)
+    llm.executor = tracer
+    host, spans = tracer.host, tracer.spans
     steps: list[tuple[float, str, int, int]] = []
 
-    def step():
-        start = time.perf_counter()
-        out = original_step()
-        kind = launched.popleft()
-        steps.append((time.perf_counter() - start, kind, out.num_prefill_tokens, out.num_decode_tokens))
-        return out
-
-    llm.step = step
     for run in range(1, args.runs + 1):
         steps.clear()
         spans.clear()
@@ -137,7 +155,12 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_stats()
         t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.add_requests(prompts, params)  # the loop of generate, each step timed
+        while not llm.is_finished():
+            start = time.perf_counter()
+            out = llm.step()
+            kind = tracer.launched.popleft()
+            steps.append((time.perf_counter() - start, kind, out.num_prefill_tokens, out.num_decode_tokens))
         wall = time.perf_counter() - t0
         after = torch.cuda.memory_stats()
         print(f"\n== run {run}: {wall:.2f} s, {sum(max_tokens) / wall:,.0f} tok/s ({args.shape})")

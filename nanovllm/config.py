@@ -1,11 +1,12 @@
-"""The engine's one typed configuration, validated whole before any worker starts."""
+"""The engine's one typed configuration, validated whole before any worker starts. No torch:
+what the machine offers comes in as a :class:`Platform` (probed on the execution side)."""
+
+from __future__ import annotations
 
 import importlib.util
 import os
 from dataclasses import dataclass, field, fields
-
-import torch
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+from typing import TYPE_CHECKING
 
 from nanovllm.models.registry import (
     Architecture,
@@ -15,19 +16,36 @@ from nanovllm.models.registry import (
     resolve_architecture,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Model dtypes by name, and the bytes of one element."""
+KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+"""8-bit KV cache dtypes (float8 e4m3) by name."""
 ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
 CPU_KV_CACHE_BYTES = 2 * 2**30
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The GPUs this machine offers, as far as the configuration needs to know them."""
+
+    gpu_capabilities: tuple[tuple[int, int], ...] = ()
+    """The compute capability of each visible CUDA device, by index."""
+
+
+CPU_ONLY = Platform()
 
 
 @dataclass(frozen=True)
 class Config:
     """Everything ``LLM(model, **options)`` accepts, checked on construction.
 
-    "auto" values are resolved here: after construction ``device`` is "cpu" or "cuda:N" (the
-    device of rank 0; rank r uses N + r), ``dtype`` a key of :data:`DTYPES` and
-    ``attention_backend`` one of :data:`ATTENTION_BACKENDS`.
+    "auto" values are resolved here, against ``platform`` (a machine without GPUs unless
+    told): after construction ``device`` is "cpu" or "cuda:N" (the device of rank 0; rank r
+    uses N + r), ``dtype`` a key of :data:`DTYPE_BYTES` and ``attention_backend`` one of
+    :data:`ATTENTION_BACKENDS`.
     """
 
     model: str
@@ -66,18 +84,20 @@ class Config:
     load_format: str = "auto"
     """"auto" loads ``*.safetensors``; "dummy" fills weights with random values."""
     seed: int = 0
+    platform: Platform = field(default=CPU_ONLY, repr=False, compare=False)
     hf_config: PretrainedConfig = field(init=False, repr=False, compare=False)
     architecture: Architecture = field(init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
 
     @classmethod
-    def from_options(cls, model: str, **options) -> "Config":
-        """``Config(model, **options)``, with a clear error for an option we do not know."""
-        known = {f.name for f in fields(cls) if f.init} - {"model"}
+    def from_options(cls, model: str, platform: Platform, **options) -> Config:
+        """``Config(model, **options)`` on ``platform``, with a clear error for an option we do
+        not know."""
+        known = {f.name for f in fields(cls) if f.init} - {"model", "platform"}
         unknown = set(options) - known
         if unknown:
             raise ValueError(f"unknown LLM options {sorted(unknown)}; known: {sorted(known)}")
-        return cls(os.path.expanduser(model), **options)
+        return cls(os.path.expanduser(model), platform=platform, **options)
 
     def __post_init__(self) -> None:
         def resolve(name: str, value) -> None:
@@ -87,6 +107,8 @@ class Config:
             raise FileNotFoundError(f"model folder {self.model!r} does not exist")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise FileNotFoundError(f"{self.model!r} has no config.json: not a Hugging Face model folder")
+        from transformers import AutoConfig
+
         resolve("hf_config", AutoConfig.from_pretrained(self.model))
         resolve("architecture", resolve_architecture(self.hf_config))
         self._check_numbers()
@@ -104,13 +126,8 @@ class Config:
 
     # --- derived values ------------------------------------------------------------------
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def kv_cache_torch_dtype(self) -> torch.dtype:
-        name = self.kv_cache_dtype
-        return KV_CACHE_DTYPES[name] if name in KV_CACHE_DTYPES else DTYPES[name]
+    def kv_cache_dtype_bytes(self) -> int:
+        return 1 if self.kv_cache_dtype in KV_CACHE_DTYPES else DTYPE_BYTES[self.kv_cache_dtype]
 
     @property
     def max_shared_prompt_len(self) -> int | None:
@@ -125,9 +142,7 @@ class Config:
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block over every layer, on one tensor-parallel rank."""
         _, num_kv_heads, head_dim = attention_dims(self.hf_config)
-        per_token = (
-            2 * num_kv_heads // self.tensor_parallel_size * head_dim * self.kv_cache_torch_dtype.itemsize
-        )
+        per_token = 2 * num_kv_heads // self.tensor_parallel_size * head_dim * self.kv_cache_dtype_bytes
         return self.hf_config.num_hidden_layers * self.kvcache_block_size * per_token
 
     def kv_blocks_for(self, num_bytes: float) -> int:
@@ -176,17 +191,17 @@ class Config:
             )
 
     def _resolve_device(self) -> str:
-        device = self.device
+        device, count = self.device, len(self.platform.gpu_capabilities)
         if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = "cuda" if count else "cpu"
         if device == "cpu":
             return device
         index = device.removeprefix("cuda").removeprefix(":")
         if not device.startswith("cuda") or not (index == "" or index.isdigit()):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if not torch.cuda.is_available():
+        if not count:
             raise ValueError(f"device={self.device!r} was asked for but CUDA is not available")
-        first, count = int(index or 0), torch.cuda.device_count()
+        first = int(index or 0)
         if first + self.tensor_parallel_size > count:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} from cuda:{first} needs "
@@ -196,12 +211,12 @@ class Config:
 
     def _resolve_dtype(self) -> str:
         if self.dtype != "auto":
-            if self.dtype not in DTYPES:
-                raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+            if self.dtype not in DTYPE_BYTES:
+                raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
             return self.dtype
         dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
         name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-        if name in DTYPES:
+        if name in DTYPE_BYTES:
             return name
         return "bfloat16" if self.device != "cpu" else "float32"
 
@@ -234,11 +249,14 @@ class Config:
             )
         if self.attention_backend == "flash_attn":
             raise ValueError("kv_cache_dtype='fp8' needs the triton or torch attention backend")
-        if self.device != "cpu" and torch.cuda.get_device_capability(self.device) < (8, 9):
+        index = int(self.device.removeprefix("cuda:")) if self.device != "cpu" else None
+        if index is not None and self.platform.gpu_capabilities[index] < (8, 9):
             raise ValueError("kv_cache_dtype='fp8' needs a GPU with float8 support (compute capability 8.9+)")
         return "fp8"
 
     def _eos_ids(self) -> tuple[int, ...]:
+        from transformers import GenerationConfig
+
         ids: list[int] = []
         sources = [getattr(self.hf_config, "eos_token_id", None)]
         try:

@@ -5,6 +5,7 @@ import weakref
 
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.execution.platform import probe_platform
 from nanovllm.execution.tp_executor import TPExecutor
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ class LLM(LLMEngine):
     """
 
     def __init__(self, model: str, **options):
-        config = Config.from_options(model, **options)
+        config = Config.from_options(model, probe_platform(), **options)
         tokenizer = load_tokenizer(config.model)
         executor = TPExecutor(config)
         try:

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from nanovllm import LLM
-from nanovllm.config import Config
+from nanovllm.config import Config, Platform
 from nanovllm.demo_models import write_config
+from nanovllm.execution.platform import torch_dtype
 from nanovllm.models.registry import ARCHITECTURES
 from tests.checkpoints import TINY_QWEN3 as SMALL
 
@@ -40,12 +41,29 @@ def test_the_block_size_defaults_by_backend(tmp_path, monkeypatch):
     assert Config(str(tmp_path), device="cpu").kvcache_block_size == 256
 
 
+def test_auto_values_resolve_against_the_platform_given(tmp_path):
+    """The configuration knows the machine only through the Platform it is handed."""
+    write_config(str(tmp_path), **SMALL)
+    two_hoppers = Platform(((9, 0), (9, 0)))
+    config = Config(str(tmp_path), platform=two_hoppers, kv_cache_memory_gb=0.01)
+    assert (config.device, config.attention_backend) == ("cuda:0", "triton")
+    assert (
+        Config(str(tmp_path), platform=two_hoppers, device="cuda:1", kv_cache_memory_gb=0.01).device
+        == "cuda:1"
+    )
+    assert Config(str(tmp_path), kv_cache_memory_gb=0.01).device == "cpu"
+    with pytest.raises(ValueError, match="needs 3 GPUs"):
+        Config(str(tmp_path), platform=two_hoppers, device="cuda:1", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        Config(str(tmp_path), platform=Platform(((8, 0),)), kv_cache_dtype="fp8", kv_cache_memory_gb=0.01)
+
+
 def test_an_fp8_kv_cache_holds_twice_the_tokens_of_a_bf16_one(tmp_path):
     write_config(str(tmp_path), **SMALL)
     bf16 = Config(str(tmp_path), device="cpu", dtype="bfloat16", kv_cache_memory_gb=0.01)
     fp8 = Config(str(tmp_path), device="cpu", dtype="bfloat16", kv_cache_memory_gb=0.01, kv_cache_dtype="fp8")
     assert (bf16.kv_cache_dtype, fp8.kv_cache_dtype) == ("bfloat16", "fp8")
-    assert fp8.kv_cache_torch_dtype == torch.float8_e4m3fn
+    assert torch_dtype(fp8.kv_cache_dtype) == torch.float8_e4m3fn
     assert bf16.kv_block_bytes == 2 * fp8.kv_block_bytes
     assert fp8.fixed_num_kvcache_blocks // 2 == bf16.fixed_num_kvcache_blocks  # floors of x and 2x
 

@@ -1,5 +1,5 @@
 """The architecture holds: the layers import one way, nothing imports in a cycle, the resource
-layer runs without torch, and every file stays small.
+and orchestration layers run without torch, and a file that grows long is flagged.
 
 Imports are read from the source (type-only and function-level imports included).
 """
@@ -7,6 +7,7 @@ Imports are read from the source (type-only and function-level imports included)
 import ast
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -88,10 +89,28 @@ def test_resource_layer_imports_only_python_and_itself():
                 assert dep in sys.stdlib_module_names or dep in allowed_third_party, (module, dep)
 
 
-def test_resource_layer_loads_without_torch():
-    code = "import sys, nanovllm.scheduling; sys.exit(int('torch' in sys.modules))"
+@pytest.mark.parametrize("package", ["nanovllm.scheduling", "nanovllm.engine.llm_engine", "nanovllm.config"])
+def test_resource_and_orchestration_layers_load_without_torch(package):
+    code = f"import sys, {package}; sys.exit(int('torch' in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True)
-    assert result.returncode == 0, "importing nanovllm.scheduling loaded torch" + result.stderr
+    assert result.returncode == 0, f"importing {package} loaded torch" + result.stderr
+
+
+def torch_importers_reachable(module: str, seen: set[str]) -> list[str]:
+    """Modules of ours reachable from ``module`` whose own imports include torch."""
+    if module in seen or module not in MODULES:
+        return []
+    seen.add(module)
+    found = [module] if "torch" in GRAPH[module] else []
+    for dep in ours(module):
+        found += torch_importers_reachable(dep, seen)
+    return found
+
+
+def test_engine_and_config_reach_no_torch_even_in_function_level_imports():
+    for module in MODULES:
+        if in_layer(module, "engine") or module == "nanovllm.config":
+            assert not torch_importers_reachable(module, set()), module
 
 
 def test_orchestration_reaches_execution_only_through_the_executor_interface():
@@ -130,7 +149,15 @@ def test_kernels_stand_alone():
             assert all(in_layer(dep, "kernels") for dep in ours(module)), module
 
 
+LONG_FILE_LINES, MAX_FILE_LINES = 400, 600
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
-def test_files_stay_small(module):
-    lines = MODULES[module].read_text().count("\n")
-    assert lines <= 300, f"{MODULES[module]} has {lines} lines: split it by idea"
+def test_long_files_are_flagged(module):
+    """A file is one idea, split by idea rather than by length: past ~400 lines it is worth a
+    look (a warning); past 600 it is surely several."""
+    path = MODULES[module]
+    lines = path.read_text().count("\n")
+    assert lines <= MAX_FILE_LINES, f"{path} has {lines} lines: split it by idea"
+    if lines > LONG_FILE_LINES:
+        warnings.warn(f"{path} has {lines} lines: is it still one idea?", stacklevel=1)

@@ -2,24 +2,14 @@
 
 from typing import Protocol
 
-from nanovllm.scheduling import StepBatch
+from nanovllm.scheduling import StepBatch, StepOutput
 
 
-class SampledTokens(Protocol):
-    """A launched step's sampled token ids, one per batch row."""
+class PendingOutput(Protocol):
+    """A launched step, whose output is read back when asked for."""
 
-    def tolist(self) -> list[int]:
-        """Wait for the step and return its tokens."""
-        ...
-
-    def logprobs(self) -> list[tuple[float, list[int], list[float]]] | None:
-        """After :meth:`tolist`, when a row of the step asked for log-probabilities: per row,
-        the sampled token's, and the ids and log-probabilities of the batch's top-k tokens."""
-        ...
-
-    def prompt_logprobs(self) -> list[tuple[float, list[int], list[float]]] | None:
-        """After :meth:`tolist`, when the step's batch has ``prompt_logprobs`` rows: the same
-        for each of their target prompt tokens, in order."""
+    def result(self) -> StepOutput:
+        """Wait for the step and return its output."""
         ...
 
 
@@ -32,7 +22,7 @@ class Executor(Protocol):
     """Whether a step may take its input tokens from the previous step's samples
     (``StepBatch.previous_sample_rows``) before they are read back."""
 
-    def launch(self, batch: StepBatch) -> SampledTokens:
+    def launch(self, batch: StepBatch) -> PendingOutput:
         """Start one step; steps run in launch order."""
         ...
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from itertools import count
 
 from nanovllm.config import Config
-from nanovllm.engine.executor import Executor, SampledTokens
+from nanovllm.engine.executor import Executor, PendingOutput
+from nanovllm.engine.output_processor import OutputProcessor, StepResult
 from nanovllm.engine.progress import ProgressBar
 from nanovllm.engine.requests import PromptInput, Request, parse_prompts, sample_params
 from nanovllm.outputs import RequestOutput
@@ -18,18 +19,7 @@ from nanovllm.scheduling import BlockManager, ScheduledStep, Scheduler, Sequence
 @dataclass(slots=True)
 class InFlightStep:
     step: ScheduledStep
-    tokens: SampledTokens
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What one :meth:`LLMEngine.step` did."""
-
-    finished: list[Sequence]
-    seqs: list[Sequence]
-    """The step's sequences; those of a prompt chunk have no new token."""
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
+    output: PendingOutput
 
 
 class LLMEngine:
@@ -55,14 +45,12 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.max_model_len,
-            list(config.eos_token_ids),
             config.mixed_steps,
         )
+        self.output_processor = OutputProcessor(self.scheduler, config.eos_token_ids, config.max_model_len)
         self.in_flight: deque[InFlightStep] = deque()
         self.seq_ids = count()
         self.request_ids = count()
-        self.tracked: dict[int, tuple[Request, int]] = {}
-        """Each queued sequence's request and completion index, while a call runs."""
         self.async_scheduling = config.async_scheduling and executor.supports_async_scheduling
 
     def get_tokenizer(self):
@@ -101,21 +89,25 @@ class LLMEngine:
                 f"[0, {self.vocab_size}): {bad[:5]}"
             )
 
-    def _new_request(self, i: int, prompt: PromptInput, params: SamplingParams) -> Request:
+    def _new_request(self, i: int, prompt: PromptInput, params: SamplingParams, stream: bool) -> Request:
         """Prompt ``i`` as a checked request with its ``n`` sequences, not yet queued."""
         token_ids = self._to_token_ids(prompt)
         self._validate(i, token_ids, params)
         samples = [sample_params(params, k, self.config.max_model_len) for k in range(params.n)]
         seqs = [Sequence(next(self.seq_ids), token_ids, p) for p in samples]
-        if self.config.enable_prefix_caching:
-            for seq in seqs[1:]:
-                seq.prompt_source = seqs[0]
-        return Request(str(next(self.request_ids)), prompt, token_ids, params, seqs, self.tokenizer)
+        for seq in seqs[1:]:
+            seq.prompt_source = seqs[0]
+        request_id = str(next(self.request_ids))
+        return Request(request_id, prompt, token_ids, params, seqs, self.tokenizer, stream)
 
     def add_requests(
-        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None,
+        stream: bool = False,
     ) -> list[Request]:
-        """Check every prompt and its parameters, then queue them all (or none)."""
+        """Check every prompt and its parameters, then queue them all (or none). ``stream``:
+        their text is followed step by step."""
         inputs = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -125,11 +117,13 @@ class LLMEngine:
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(inputs)} prompts")
         if not all(isinstance(p, SamplingParams) for p in sampling_params):
             raise ValueError("sampling_params must be SamplingParams or a list of them")
-        requests = [self._new_request(i, p, sp) for i, (p, sp) in enumerate(zip(inputs, sampling_params))]
+        requests = [
+            self._new_request(i, p, sp, stream) for i, (p, sp) in enumerate(zip(inputs, sampling_params))
+        ]
         for request in requests:
-            for index, seq in enumerate(request.seqs):
+            for seq in request.seqs:
                 self.scheduler.add(seq)
-                self.tracked[seq.seq_id] = (request, index)
+            self.output_processor.track(request)
         return requests
 
     def add_request(self, prompt, sampling_params: SamplingParams) -> Sequence:
@@ -155,35 +149,7 @@ class LLMEngine:
             if ahead is not None:
                 self._launch(ahead)
         done = self.in_flight.popleft()
-        step, batch = done.step, done.step.batch
-        d = batch.num_decode_rows
-        num_prefill, num_decode = sum(batch.num_tokens[d:]), 0
-        for seq, start in zip(step.seqs[:d], batch.start_positions[:d]):
-            if start < seq.num_prompt_tokens:
-                num_prefill += 1  # the last token of a prompt
-            elif not seq.is_finished:  # else a planned-ahead row of a sequence that just ended
-                num_decode += 1
-        tokens = done.tokens.tolist()
-        finished = self.scheduler.postprocess(step, tokens)
-        self._record_logprobs(step, tokens, done.tokens)
-        return StepResult(finished, step.seqs, num_prefill, num_decode)
-
-    def _record_logprobs(self, step: ScheduledStep, tokens: list[int], handle: SampledTokens) -> None:
-        """Give the requests that asked for them the step's log-probabilities."""
-        rows = handle.logprobs()
-        if rows is not None:
-            for seq, token_id, row in zip(step.seqs, tokens, rows):
-                entry = self.tracked.get(seq.seq_id)
-                if entry is not None and entry[0].logprobs is not None:
-                    entry[0].add_logprobs(entry[1], token_id, row)
-        if step.batch.prompt_logprobs:
-            values, i = handle.prompt_logprobs(), 0
-            for r in step.batch.prompt_logprobs:
-                entry = self.tracked.get(step.seqs[r.batch_row].seq_id)
-                first = step.batch.start_positions[r.batch_row] + 1  # the prompt index of the first target
-                if entry is not None:
-                    entry[0].add_prompt_logprobs(first, r.target_ids, values[i : i + len(r.target_ids)])
-                i += len(r.target_ids)
+        return self.output_processor.process(done.step, done.output.result())
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self.in_flight
@@ -193,7 +159,7 @@ class LLMEngine:
         self.in_flight.clear()
         self.scheduler.abort_all()
         if self.executor is not None and self.executor.recover():
-            self.scheduler.block_manager.forget_cached()
+            self.scheduler.forget_cached_prefixes()
 
     def generate(
         self,
@@ -206,7 +172,7 @@ class LLMEngine:
         ``prompts``: a string, a list of token ids, ``{"prompt": ...}`` or
         ``{"prompt_token_ids": [...]}``, or a list of any of these.
         """
-        requests = self._start(prompts, sampling_params)
+        requests = self._start(prompts, sampling_params, stream=False)
         for _ in self._run(requests, use_tqdm, stream=False):
             pass
         return [request.output() for request in requests]
@@ -220,52 +186,33 @@ class LLMEngine:
         """Like :meth:`generate`, but yields a request's output (its text and tokens so far,
         ``finished`` on the last one) each time a step adds to it. Closing the iterator early
         (``break``, ``close()``) cancels the requests left and frees their KV blocks."""
-        requests = self._start(prompts, sampling_params)
+        requests = self._start(prompts, sampling_params, stream=True)
         return self._run(requests, use_tqdm, stream=True)
 
-    def _start(self, prompts, sampling_params) -> list[Request]:
+    def _start(self, prompts, sampling_params, stream: bool) -> list[Request]:
         if self.executor is None:
             raise RuntimeError("this engine has been shut down")
-        if self.tracked:
+        if self.output_processor.tracked:
             raise RuntimeError("a stream of this engine is still running: consume or close it first")
-        return self.add_requests(prompts, sampling_params)
+        return self.add_requests(prompts, sampling_params, stream)
 
     def _run(self, requests: list[Request], use_tqdm: bool, stream: bool) -> Iterator[RequestOutput]:
-        follow_text = stream or any(r.params.stop for r in requests)
-        bar = ProgressBar(sum(len(r.seqs) for r in requests), enabled=use_tqdm)
+        bar = ProgressBar(sum(len(r.completions) for r in requests), enabled=use_tqdm)
         try:
             while not self.is_finished():
                 start = time.perf_counter()
                 r = self.step()
-                changed = self._follow(r.seqs) if follow_text else ()
                 seconds = time.perf_counter() - start
                 bar.update(len(r.finished), r.num_prefill_tokens, r.num_decode_tokens, seconds)
                 if stream:
-                    for request in changed:
+                    for request in r.changed:
                         yield request.output()
         except BaseException:  # an error, Ctrl-C, or a consumer closing the stream
             self.abort_all()
             raise
         finally:
             bar.close()
-            self.tracked.clear()
-        if not follow_text:
-            for request in requests:
+            self.output_processor.tracked.clear()
+        for request in requests:
+            if not request.follows_text:
                 request.decode_all()
-
-    def _follow(self, seqs: list[Sequence]) -> list[Request]:
-        """Detokenize what the step added and end sequences whose text reached a stop string;
-        returns the requests that changed, each once."""
-        changed = {}
-        for seq in seqs:
-            entry = self.tracked.get(seq.seq_id)
-            if entry is None:
-                continue
-            request, index = entry
-            if request.num_emitted[index] == seq.num_completion_tokens:
-                continue  # a prompt chunk, or a row planned ahead of its sequence's end
-            stop = request.update_text(index)
-            if stop is not None:
-                self.scheduler.stop(seq, stop)
-            changed[request.request_id] = request
-        return list(changed.values())

@@ -1,12 +1,12 @@
-"""Requests as the engine tracks them: the prompts vLLM accepts, ``n`` sequences each, and
-their outputs (text detokenized as tokens arrive, stop strings)."""
+"""Requests as the engine tracks them: the prompts vLLM accepts, and ``n`` completions each,
+whose text is detokenized as tokens arrive."""
 
 from dataclasses import dataclass, replace
 
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.scheduling import Sequence
+from nanovllm.scheduling import Sequence, TokenLogprobs
 
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 _U64 = 2**64 - 1
@@ -80,105 +80,120 @@ def sample_params(params: SamplingParams, index: int, max_model_len: int) -> Sam
     return replace(params, **changes) if changes else params
 
 
-def _logprob_entry(token_id: int, row: tuple[float, list[int], list[float]], k: int) -> dict[int, float]:
-    """``{token id: log-probability}`` of a row's top ``k`` and of the token it chose."""
-    logprob, ids, values = row
-    entry = dict(zip(ids[:k], values[:k]))
-    entry[token_id] = logprob
+def _logprob_entry(token_id: int, lp: TokenLogprobs, k: int) -> dict[int, float]:
+    """``{token id: log-probability}`` of the top ``k`` and of the token chosen."""
+    entry = dict(zip(lp.top_ids[:k], lp.top_logprobs[:k]))
+    entry[token_id] = lp.logprob
     return entry
 
 
-class Request:
-    """One prompt's ``n`` sequences, and the text of each as it is generated."""
+class Completion:
+    """One of a request's ``n`` completions: its sequence, and the text and log-probabilities
+    gathered for it as its tokens arrive."""
 
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "seqs", "tokenizer", "detokenizers",
-                 "texts", "num_emitted", "logprobs", "cumulative_logprobs", "prompt_logprobs")  # fmt: skip
+    __slots__ = ("request", "index", "seq", "detokenizer", "text", "num_followed", "logprobs",
+                 "cumulative_logprob")  # fmt: skip
+
+    def __init__(self, request: "Request", index: int, seq: Sequence) -> None:
+        self.request, self.index, self.seq = request, index, seq
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.text = ""
+        self.num_followed = 0
+        """Completion tokens already detokenized by :meth:`follow_text`."""
+        self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+
+    def add_logprobs(self, token_id: int, lp: TokenLogprobs) -> None:
+        """Record the log-probabilities of the newest token."""
+        self.logprobs.append(_logprob_entry(token_id, lp, self.request.params.logprobs))
+        self.cumulative_logprob += lp.logprob
+
+    def follow_text(self, ends: bool) -> str | None:
+        """Detokenize the new tokens; returns the stop string the text now contains (the text is
+        cut there), if any. The text of a completion that ``ends`` with them is decoded whole,
+        so it ends the same as :meth:`decode_whole` would (a trailing partial character included)."""
+        seq, request = self.seq, self.request
+        self.num_followed = seq.num_completion_tokens
+        if request.tokenizer is None:
+            return None
+        params = request.params
+        if self.detokenizer is None:
+            self.detokenizer = IncrementalDetokenizer(request.tokenizer, params.skip_special_tokens)
+        detok = self.detokenizer
+        new = detok.add(seq.completion_token_ids[len(detok.token_ids) :])
+        hit = find_stop(detok.text, len(new), params.stop) if new and params.stop else None
+        if hit is not None:
+            start, stop = hit
+            self.text = detok.text[: start + len(stop) if params.include_stop_str_in_output else start]
+            return stop
+        self.text = self.decode_whole() if ends else detok.text
+        return None
+
+    def decode_whole(self) -> str:
+        request = self.request
+        return request.tokenizer.decode(
+            self.seq.completion_token_ids, skip_special_tokens=request.params.skip_special_tokens
+        )
+
+    def output(self) -> CompletionOutput:
+        seq, logprobs = self.seq, self.logprobs
+        cumulative = self.cumulative_logprob if logprobs is not None else None
+        return CompletionOutput(
+            self.index, self.text, seq.completion_token_ids, cumulative, logprobs, seq.finish_reason,
+            seq.stop_reason,
+        )  # fmt: skip
+
+
+class Request:
+    """One prompt and its ``n`` completions.
+
+    ``follows_text``: its completions are detokenized step by step (to stream them, or to find
+    stop strings); otherwise their text is decoded once, at the end (:meth:`decode_all`).
+    """
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "tokenizer", "follows_text",
+                 "completions", "prompt_logprobs")  # fmt: skip
 
     def __init__(self, request_id: str, prompt: PromptInput, token_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence], tokenizer) -> None:  # fmt: skip
+                 seqs: list[Sequence], tokenizer, stream: bool) -> None:  # fmt: skip
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt.text, token_ids
-        self.params, self.seqs = params, seqs
+        self.params = params
         self.tokenizer = tokenizer if params.detokenize else None
-        self.detokenizers: list[IncrementalDetokenizer] | None = None
-        self.texts = [""] * len(seqs)
-        self.num_emitted = [0] * len(seqs)
-        """Completion tokens of each sequence already followed by :meth:`update_text`."""
-        wants_logprobs = params.logprobs is not None
-        self.logprobs: list[list[dict[int, float]]] | None = [[] for _ in seqs] if wants_logprobs else None
-        self.cumulative_logprobs = [0.0] * len(seqs)
+        self.follows_text = stream or bool(params.stop)
+        self.completions = [Completion(self, i, seq) for i, seq in enumerate(seqs)]
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         if params.prompt_logprobs is not None:  # none for the first prompt token, as in vLLM
             self.prompt_logprobs = [None] * len(token_ids)
 
-    def add_prompt_logprobs(
-        self, first: int, target_ids: list[int], rows: list[tuple[float, list[int], list[float]]]
-    ) -> None:
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [c.seq for c in self.completions]
+
+    def add_prompt_logprobs(self, first: int, target_ids: list[int], entries: list[TokenLogprobs]) -> None:
         """Record the log-probabilities of prompt tokens ``first, first + 1, ...`` (once each:
         a preempted prompt is computed again)."""
         k = self.params.prompt_logprobs
-        for index, token_id, row in zip(range(first, first + len(rows)), target_ids, rows):
+        for index, token_id, lp in zip(range(first, first + len(entries)), target_ids, entries):
             if self.prompt_logprobs[index] is None:
-                self.prompt_logprobs[index] = _logprob_entry(token_id, row, k)
-
-    def add_logprobs(self, index: int, token_id: int, row: tuple[float, list[int], list[float]]) -> None:
-        """Record the log-probabilities of sequence ``index``'s newest token (once)."""
-        entries = self.logprobs[index]
-        if len(entries) < self.seqs[index].num_completion_tokens:
-            entries.append(_logprob_entry(token_id, row, self.params.logprobs))
-            self.cumulative_logprobs[index] += row[0]
+                self.prompt_logprobs[index] = _logprob_entry(token_id, lp, k)
 
     @property
     def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
-
-    def update_text(self, index: int) -> str | None:
-        """Detokenize sequence ``index``'s new tokens; returns the stop string its text now
-        contains (the text is cut there), if any. A finished sequence's text is decoded whole,
-        so it ends the same as :meth:`decode_all` would (a trailing partial character included)."""
-        seq = self.seqs[index]
-        self.num_emitted[index] = seq.num_completion_tokens
-        if self.tokenizer is None:
-            return None
-        if self.detokenizers is None:
-            self.detokenizers = [IncrementalDetokenizer(self.tokenizer, self.params.skip_special_tokens)
-                                 for _ in self.seqs]  # fmt: skip
-        detok = self.detokenizers[index]
-        new = detok.add(seq.completion_token_ids[len(detok.token_ids) :])
-        hit = find_stop(detok.text, len(new), self.params.stop) if new and self.params.stop else None
-        if hit is not None:
-            start, stop = hit
-            end = start + len(stop) if self.params.include_stop_str_in_output else start
-            self.texts[index] = detok.text[:end]
-            return stop
-        self.texts[index] = self._whole_text(seq) if seq.is_finished else detok.text
-        return None
-
-    def _whole_text(self, seq: Sequence) -> str:
-        skip = self.params.skip_special_tokens
-        return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=skip)
+        return all(c.seq.is_finished for c in self.completions)
 
     def decode_all(self) -> None:
         """The whole text of every completion at once (when nothing followed it step by step)."""
         if self.tokenizer is not None:
-            self.texts = [self._whole_text(seq) for seq in self.seqs]
+            for completion in self.completions:
+                completion.text = completion.decode_whole()
 
     def output(self) -> RequestOutput:
-        completions = []
-        for i, seq in enumerate(self.seqs):
-            logprobs = self.logprobs[i] if self.logprobs is not None else None
-            cumulative = self.cumulative_logprobs[i] if logprobs is not None else None
-            completions.append(
-                CompletionOutput(
-                    i, self.texts[i], seq.completion_token_ids, cumulative, logprobs,
-                    seq.finish_reason, seq.stop_reason,
-                )
-            )  # fmt: skip
         return RequestOutput(
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
-            completions,
+            [c.output() for c in self.completions],
             self.finished,
             self.prompt_logprobs,
-            num_cached_tokens=self.seqs[0].num_cached_tokens,
+            num_cached_tokens=self.completions[0].seq.num_cached_tokens,
         )

@@ -10,6 +10,7 @@ from torch import nn
 
 from nanovllm.attention import get_attention_backend
 from nanovllm.config import Config
+from nanovllm.execution.platform import torch_dtype
 from nanovllm.layers.parallel import TPGroup
 
 
@@ -19,7 +20,7 @@ def build_model(config: Config, tp: TPGroup, device: torch.device) -> nn.Module:
     model_cls = config.architecture.load_model_class()
     backend = get_attention_backend(config.attention_backend)
     default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(config.torch_dtype)
+    torch.set_default_dtype(torch_dtype(config.dtype))
     try:
         with torch.device(device):
             model = model_cls(config.hf_config, config.architecture, tp, backend)

@@ -10,75 +10,67 @@ from nanovllm.execution.compile import compile_elementwise_ops
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.kv_cache import KVCache
 from nanovllm.execution.loader import build_model
-from nanovllm.execution.logprobs import TokenLogprobs, prompt_logprobs, token_logprobs
+from nanovllm.execution.logprobs import LogprobTensors, prompt_logprobs, to_host, token_logprobs
+from nanovllm.execution.platform import rank_device
 from nanovllm.execution.sampler import Sampler
 from nanovllm.execution.step_inputs import StepInputBuilder
 from nanovllm.layers.parallel import TPGroup
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.scheduling.step import BlockTableUpdate, NewRow, StepBatch
+from nanovllm.scheduling.step import BlockTableUpdate, NewSlot, StepBatch, StepOutput
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_cuda:
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
-
-
-class SampledTokens:
-    """A step's sampled token ids (and log-probabilities, when asked for), copied to the host
-    without blocking the launch."""
+class PendingOutput:
+    """A launched step's output (rank 0), copied to the host without blocking the launch."""
 
     def __init__(
         self,
-        tokens: torch.Tensor,
-        logprobs: TokenLogprobs | None = None,
-        prompt_logprobs: TokenLogprobs | None = None,
+        sampled: torch.Tensor,
+        logprobs: LogprobTensors | None,
+        prompt_logprobs: LogprobTensors | None,
+        prompt_lengths: list[int],
     ):
-        self.host = _to_host(tokens)
-        self.host_logprobs, self.host_prompt_logprobs = (
-            None if lp is None else TokenLogprobs(*map(_to_host, (lp.sampled, lp.top_ids, lp.top_logprobs)))
-            for lp in (logprobs, prompt_logprobs)
-        )
+        self.sampled = to_host(sampled)
+        self.logprobs = None if logprobs is None else logprobs.to_host()
+        self.prompt_logprobs = None if prompt_logprobs is None else prompt_logprobs.to_host()
+        self.prompt_lengths = prompt_lengths
+        """Targets of each of the batch's prompt-logprobs requests."""
         self.event = None
-        if tokens.is_cuda:
+        if sampled.is_cuda:
             self.event = torch.cuda.Event()
             self.event.record()
 
-    def tolist(self) -> list[int]:
+    def result(self) -> StepOutput:
         if self.event is not None:
             self.event.synchronize()
-        return self.host.tolist()
-
-    def logprobs(self) -> list[tuple[float, list[int], list[float]]] | None:
-        return None if self.host_logprobs is None else self.host_logprobs.tolist()
-
-    def prompt_logprobs(self) -> list[tuple[float, list[int], list[float]]] | None:
-        return None if self.host_prompt_logprobs is None else self.host_prompt_logprobs.tolist()
-
-
-def rank_device(config: Config, rank: int) -> torch.device:
-    if config.device == "cpu":
-        return torch.device("cpu")
-    return torch.device("cuda", int(config.device.removeprefix("cuda:")) + rank)
+        output = StepOutput(self.sampled.tolist())
+        if self.logprobs is not None:
+            output.logprobs = self.logprobs.tolist()
+        if self.prompt_logprobs is not None:
+            entries, start = self.prompt_logprobs.tolist(), 0
+            output.prompt_logprobs = []
+            for n in self.prompt_lengths:
+                output.prompt_logprobs.append(entries[start : start + n])
+                start += n
+        return output
 
 
 def dummy_batch(lens: list[int], block_size: int, prefix: int = 0) -> StepBatch:
-    """Rows 0.. computing ``lens`` zero tokens after ``prefix`` cached ones, every block id 0,
-    sampled at temperature 1; rows of one token go first, as decodes."""
+    """Slots 0.. computing ``lens`` zero tokens after ``prefix`` cached ones, every block id 0,
+    sampled at temperature 1; rows of one token go first."""
     lens = sorted(lens, key=lambda n: n > 1)
     return StepBatch(
-        rows=list(range(len(lens))),
+        slots=list(range(len(lens))),
         num_tokens=lens,
         token_ids=[0] * sum(lens),
         start_positions=[prefix] * len(lens),
-        num_decode_rows=lens.count(1),
-        new_rows=[
-            NewRow(row, prefix + length, SamplingParams(temperature=1.0)) for row, length in enumerate(lens)
+        num_single_token_rows=lens.count(1),
+        new_slots=[
+            NewSlot(slot, prefix + length, SamplingParams(temperature=1.0))
+            for slot, length in enumerate(lens)
         ],
         block_table_updates=[
-            BlockTableUpdate(row, 0, [0] * -(-(prefix + length) // block_size))
-            for row, length in enumerate(lens)
+            BlockTableUpdate(slot, 0, [0] * -(-(prefix + length) // block_size))
+            for slot, length in enumerate(lens)
         ],
     )
 
@@ -109,7 +101,9 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             compile_elementwise_ops(self.model)
         self.sampler = Sampler()
-        self.inputs = StepInputBuilder(config, self.device, self.model.uses_rope_lengths)
+        self.inputs = StepInputBuilder(
+            config, self.device, self.model.uses_rope_lengths, samples=self.tp.rank == 0
+        )
         self.last_sampled: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self.kv_cache: KVCache | None = None
@@ -152,14 +146,14 @@ class ModelRunner:
     def _capture_decode_graphs(self) -> DecodeGraphs:
         n = self.config.max_num_seqs
         example = dummy_batch([1] * n, self.config.kvcache_block_size)
-        inputs = self.inputs.build(example, with_sampling=False)
+        inputs = self.inputs.build(example)
         return DecodeGraphs(self.model, inputs.input_ids, inputs.positions, inputs.meta, n)
 
     # --- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, batch: StepBatch) -> SampledTokens | None:
-        """Enqueue one step on the device; rank 0 gets a handle on the sampled tokens."""
-        inputs = self.inputs.build(batch, with_sampling=self.tp.rank == 0)
+    def launch(self, batch: StepBatch) -> PendingOutput | None:
+        """Enqueue one step on the device; rank 0 gets a handle on its output."""
+        inputs = self.inputs.build(batch)
         input_ids = inputs.input_ids
         if inputs.previous_sample_rows is not None:
             previous = self.last_sampled[inputs.previous_sample_rows]
@@ -170,8 +164,8 @@ class ModelRunner:
             hidden = self.model(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths)
         prompt_lp = None
         if batch.prompt_logprobs:  # before keeping only each row's last token
-            rows = batch.prompt_logprobs
-            prompt_lp = prompt_logprobs(hidden, batch.num_tokens, rows, self.model.compute_logits)
+            requests = batch.prompt_logprobs
+            prompt_lp = prompt_logprobs(hidden, batch.num_tokens, requests, self.model.compute_logits)
         if not batch.is_decode:
             hidden = hidden[inputs.last_token_index]
         logits = self.model.compute_logits(hidden)
@@ -185,12 +179,15 @@ class ModelRunner:
             if self.tp.rank != 0:
                 self.last_sampled = torch.empty(len(batch), dtype=torch.int64, device=self.device)
             dist.broadcast(self.last_sampled, src=0)
-        return SampledTokens(self.last_sampled, logprobs, prompt_lp) if self.tp.rank == 0 else None
+        if self.tp.rank != 0:
+            return None
+        prompt_lengths = [len(r.target_ids) for r in batch.prompt_logprobs]
+        return PendingOutput(self.last_sampled, logprobs, prompt_lp, prompt_lengths)
 
-    def run(self, batch: StepBatch) -> list[int] | None:
-        """One step, waiting for its tokens (rank 0) — what TP workers and tools call."""
-        handle = self.launch(batch)
-        return handle.tolist() if handle is not None else None
+    def run(self, batch: StepBatch) -> StepOutput | None:
+        """One step, waiting for its output (rank 0) — what TP workers and tools call."""
+        pending = self.launch(batch)
+        return pending.result() if pending is not None else None
 
     def close(self) -> None:
         if self.graphs is not None:

@@ -3,16 +3,21 @@ min-p, per-request seeds."""
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from nanovllm.execution.logits_processors import LogitsTensors, process_logits, record_samples
 from nanovllm.kernels.sample import sample_tokens, sample_tokens_ref
+from nanovllm.scheduling.step import NewSlot
+
+_U64, _I64_SPAN = 2**64 - 1, 2**64
 
 
 @dataclass(slots=True)
 class SamplingTensors:
-    """Per-row sampling parameters of one batch, already on the logits' device."""
+    """Per-row sampling parameters of one batch, on the logits' device (built as host arrays
+    that :func:`~nanovllm.execution.upload.upload` moves there)."""
 
     temperatures: torch.Tensor
     top_ks: torch.Tensor | None = None
@@ -25,6 +30,56 @@ class SamplingTensors:
     all_greedy: bool = False
     processing: LogitsTensors | None = None
     """Allowed tokens, logit bias, min_tokens and penalties, applied first; None: no row has any."""
+
+
+class SamplingSlots:
+    """Each slot's sampling parameters, as arrays a batch gathers from."""
+
+    def __init__(self, num_slots: int):
+        self.temperature = np.ones(num_slots, dtype=np.float32)
+        self.top_k = np.full(num_slots, -1, dtype=np.int64)
+        self.top_p = np.ones(num_slots, dtype=np.float32)
+        self.min_p = np.zeros(num_slots, dtype=np.float32)
+        self.seeded = np.zeros(num_slots, dtype=bool)
+        self.seed = np.zeros(num_slots, dtype=np.int64)
+        self.num_logprobs = np.full(num_slots, -1, dtype=np.int64)
+        self.any_logprobs = False
+
+    def assign(self, new: NewSlot) -> None:
+        p, slot = new.params, new.slot
+        self.temperature[slot], self.top_k[slot] = p.temperature, p.top_k
+        self.top_p[slot], self.min_p[slot] = p.top_p, p.min_p
+        self.seeded[slot] = p.seed is not None
+        self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
+        self.any_logprobs |= p.logprobs is not None
+        if p.seed is not None:  # any Python int, as its 64 bits
+            bits = p.seed & _U64
+            self.seed[slot] = bits - _I64_SPAN if bits >> 63 else bits
+
+    def max_logprobs(self, slots: np.ndarray) -> int | None:
+        """The most top log-probabilities a row of the batch asks for; None when none asks."""
+        if not self.any_logprobs:
+            return None
+        k = int(self.num_logprobs[slots].max())
+        return k if k >= 0 else None
+
+    def gather(self, slots: np.ndarray, num_generated: np.ndarray) -> SamplingTensors:
+        """The batch's rows, as host arrays; a filter no row uses is left out. A seeded row's
+        draw depends on how many tokens it generated before (``num_generated``)."""
+        temperatures = self.temperature[slots]
+        st = SamplingTensors(temperatures, all_greedy=not temperatures.any())
+        top_k, top_p, min_p = self.top_k[slots], self.top_p[slots], self.min_p[slots]
+        if (top_k > 0).any():
+            st.top_ks = top_k
+        if (top_p < 1).any():
+            st.top_ps = top_p
+        if (min_p > 0).any():
+            st.min_ps = min_p
+        seeded = self.seeded[slots]
+        if seeded.any():
+            st.seeds = self.seed[slots]
+            st.steps = np.where(seeded, num_generated, -1)
+        return st
 
 
 class Sampler(nn.Module):

@@ -7,16 +7,10 @@ import torch
 
 from nanovllm.attention import AttentionMetadata
 from nanovllm.config import Config
-from nanovllm.execution.logits_processors import LogitsRows
-from nanovllm.execution.row_state import BlockTables, SamplingRows
 from nanovllm.execution.sampler import SamplingTensors
+from nanovllm.execution.slot_table import SlotTable
+from nanovllm.execution.upload import upload
 from nanovllm.scheduling import StepBatch
-
-_TORCH_DTYPES = {
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.float32): torch.float32,
-}
 
 
 @dataclass(slots=True)
@@ -37,49 +31,51 @@ class StepInputs:
     ``max(position + 1, prompt length)``; None where that is ``position + 1`` throughout."""
 
 
+@dataclass(slots=True)
+class _TokenArrays:
+    """A step's per-token and per-row arrays, built on the host, then uploaded in place."""
+
+    positions: np.ndarray  # first, at storage offset 0: compiled code guards on its inputs' offsets
+    input_ids: np.ndarray
+    slot_mapping: np.ndarray
+    slots: np.ndarray
+    context_lens: np.ndarray
+    decode_order: np.ndarray
+    """Longest first: a decode program that starts last should not be a long one."""
+    rope_lengths: np.ndarray | None = None
+    previous_sample_rows: np.ndarray | None = None
+    stale_slots: np.ndarray | None = None
+    stale_tables: np.ndarray | None = None
+    cu_seqlens_q: np.ndarray | None = None
+    cu_seqlens_k: np.ndarray | None = None
+    last_token_index: np.ndarray | None = None
+
+
 class StepInputBuilder:
     """Builds a step's tensors on the host and moves them to the device in two transfers,
-    keeping each row's block table and sampling parameters between steps. With
-    ``rope_lengths``, steps carry each token's length for the rotary embedding."""
+    keeping each slot's state (:class:`SlotTable`) between steps. With ``rope_lengths``, steps
+    carry each token's length for the rotary embedding; with ``samples``, sampling inputs."""
 
-    def __init__(self, config: Config, device: torch.device, rope_lengths: bool = False):
+    def __init__(
+        self, config: Config, device: torch.device, rope_lengths: bool = False, samples: bool = True
+    ):
         self.device = device
         self.rope_lengths = rope_lengths
         self.block_size = config.kvcache_block_size
-        self.block_tables = BlockTables(config.max_num_seqs, config.max_blocks_per_seq, device)
-        self.sampling_rows = SamplingRows(config.max_num_seqs)
-        self.logits_rows = LogitsRows(config.max_num_seqs, config.max_model_len, config.eos_token_ids, device)
+        self.slot_table = SlotTable(
+            config.max_num_seqs,
+            config.max_blocks_per_seq,
+            config.max_model_len,
+            config.eos_token_ids,
+            device,
+            samples,
+        )
 
-    def _upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Copy many small host arrays with one transfer per element size; returns device views.
-
-        Each view starts 16-byte aligned: Triton specialises kernels on pointer alignment, so
-        views at varying alignments would compile a kernel again mid-run.
-        """
-        out = {}
-        for carrier in (np.dtype(np.int64), np.dtype(np.int32)):
-            group = {name: a for name, a in arrays.items() if a.dtype.itemsize == carrier.itemsize}
-            unit = 16 // carrier.itemsize
-            starts, total = {}, 0
-            for name, a in group.items():
-                starts[name] = total
-                total += -(-a.size // unit) * unit
-            flat = np.zeros(total, dtype=carrier)
-            for name, a in group.items():
-                flat[starts[name] : starts[name] + a.size] = a.reshape(-1).view(carrier)
-            flat = torch.from_numpy(flat)
-            if self.device.type == "cuda":
-                flat = flat.pin_memory().to(self.device, non_blocking=True)
-            for name, a in group.items():
-                view = flat[starts[name] : starts[name] + a.size].view(a.shape)
-                out[name] = view.view(_TORCH_DTYPES[a.dtype])
-        return out
-
-    def build(self, batch: StepBatch, with_sampling: bool = True) -> StepInputs:
-        bs, n, d = self.block_size, len(batch), batch.num_decode_rows
-        rows = np.asarray(batch.rows, dtype=np.int64)
-        stale_rows = self.block_tables.update(batch.block_table_updates)
-        self.sampling_rows.update(batch.new_rows)
+    def build(self, batch: StepBatch) -> StepInputs:
+        bs, n, d = self.block_size, len(batch), batch.num_single_token_rows
+        table = self.slot_table
+        slots = np.asarray(batch.slots, dtype=np.int64)
+        stale_slots = table.update(batch)
         starts = np.asarray(batch.start_positions, dtype=np.int64)
         q_lens = np.asarray(batch.num_tokens, dtype=np.int64)
         if batch.is_decode:
@@ -90,97 +86,90 @@ class StepInputBuilder:
             np.cumsum(q_lens, out=cu_q[1:])
             positions = np.arange(cu_q[-1]) - cu_q[:-1][row_of_token] + starts[row_of_token]
         context_lens = starts + q_lens
-        blocks = self.block_tables.host[rows[row_of_token], positions // bs].astype(np.int64)
-        arrays = {
-            # first, at storage offset 0: compiled code guards on its inputs' offsets
-            "positions": positions,
-            "input_ids": np.asarray(batch.token_ids, dtype=np.int64),
-            "slots": blocks * bs + positions % bs,
-            "rows": rows,
-            "context_lens": context_lens.astype(np.int32),
-            # longest first: a decode program that starts last should not be a long one
-            "decode_order": np.argsort(-context_lens[:d], kind="stable").astype(np.int32),
-        }
+        blocks = table.block_tables.host[slots[row_of_token], positions // bs].astype(np.int64)
+        arrays = _TokenArrays(
+            positions=positions,
+            input_ids=np.asarray(batch.token_ids, dtype=np.int64),
+            slot_mapping=blocks * bs + positions % bs,
+            slots=slots,
+            context_lens=context_lens.astype(np.int32),
+            decode_order=np.argsort(-context_lens[:d], kind="stable").astype(np.int32),
+        )
         if self.rope_lengths:
             # a prompt token is rotated as in its whole prompt, also in a chunk or a recomputation
-            lengths = np.maximum(positions + 1, self.sampling_rows.num_prompt_tokens[rows[row_of_token]])
+            lengths = np.maximum(positions + 1, table.num_prompt_tokens[slots[row_of_token]])
             # decode steps go without (CUDA graphs), unless a one-token prompt chunk needs it
             if not batch.is_decode or (lengths > positions + 1).any():
-                arrays["rope_lengths"] = lengths
+                arrays.rope_lengths = lengths
         if batch.previous_sample_rows:
-            arrays["previous_sample_rows"] = np.asarray(batch.previous_sample_rows, dtype=np.int64)
-        if stale_rows.size:
-            arrays["stale_rows"] = stale_rows
-            arrays["stale_tables"] = self.block_tables.host[stale_rows]
-        if not batch.is_decode:  # the prompt rows, after the decode rows (one token each)
+            arrays.previous_sample_rows = np.asarray(batch.previous_sample_rows, dtype=np.int64)
+        if stale_slots.size:
+            arrays.stale_slots = stale_slots
+            arrays.stale_tables = table.block_tables.host[stale_slots]
+        if not batch.is_decode:  # the prompt rows, after the single-token rows
             cu_k = np.zeros(n - d + 1, dtype=np.int32)
             np.cumsum(context_lens[d:], out=cu_k[1:])
-            arrays.update(cu_q=(cu_q[d:] - d).astype(np.int32), cu_k=cu_k, last_token_index=cu_q[1:] - 1)
-        if with_sampling:  # only rank 0 samples, so only it keeps the logits-processing rows
-            self.logits_rows.update(batch.new_rows)
-            arrays.update(self.sampling_rows.arrays(rows, context_lens - 1))
-            arrays.update(self.logits_rows.arrays(rows, context_lens))
-        dev = self._upload(arrays)
-        if stale_rows.size:
-            self.block_tables.write_rows(dev["stale_rows"], dev["stale_tables"])
-        block_tables = self.block_tables.gather(dev["rows"])
+            arrays.cu_seqlens_q = (cu_q[d:] - d).astype(np.int32)
+            arrays.cu_seqlens_k = cu_k
+            arrays.last_token_index = cu_q[1:] - 1
+        sampling = max_logprobs = None
+        if table.sampling is not None:
+            prompt_lens = table.num_prompt_tokens[slots]
+            sampling = table.sampling.gather(slots, context_lens - prompt_lens)
+            sampling.processing = table.logits.gather(slots, context_lens, prompt_lens)
+            max_logprobs = table.sampling.max_logprobs(slots)
+        groups = [arrays] if sampling is None else [arrays, sampling]
+        if sampling is not None and sampling.processing is not None:
+            groups.append(sampling.processing)
+        upload(self.device, *groups)
+        if stale_slots.size:
+            table.block_tables.write_slots(arrays.stale_slots, arrays.stale_tables)
+        block_tables = table.block_tables.gather(arrays.slots)
         if batch.is_decode:
             meta = AttentionMetadata(
                 is_prefill=False,
-                slot_mapping=dev["slots"],
-                context_lens=dev["context_lens"],
+                slot_mapping=arrays.slot_mapping,
+                context_lens=arrays.context_lens,
                 block_tables=block_tables,
                 max_seqlen_k=int(context_lens.max()),
                 has_prefix=bool(starts.any()),
-                decode_order=dev["decode_order"],
+                decode_order=arrays.decode_order,
             )
         else:
-            meta = self._mixed_metadata(dev, block_tables, d, starts, q_lens, context_lens)
-        sampling = None
-        if with_sampling:
-            sampling = SamplingTensors(
-                dev["temperatures"],
-                top_ks=dev.get("top_ks"),
-                top_ps=dev.get("top_ps"),
-                min_ps=dev.get("min_ps"),
-                seeds=dev.get("seeds"),
-                steps=dev.get("steps"),
-                all_greedy=not arrays["temperatures"].any(),
-                processing=self.logits_rows.tensors(dev, arrays),
-            )
+            meta = self._mixed_metadata(arrays, block_tables, d, starts, q_lens, context_lens)
         return StepInputs(
-            dev["input_ids"],
-            dev.get("previous_sample_rows"),
-            dev["positions"],
+            arrays.input_ids,
+            arrays.previous_sample_rows,
+            arrays.positions,
             meta,
             sampling,
-            dev.get("last_token_index"),
-            self.sampling_rows.max_logprobs(rows) if with_sampling else None,
-            dev.get("rope_lengths"),
+            arrays.last_token_index,
+            max_logprobs,
+            arrays.rope_lengths,
         )
 
     @staticmethod
-    def _mixed_metadata(dev, block_tables, d, starts, q_lens, context_lens) -> AttentionMetadata:
-        """Prompt rows described from row ``d`` on; the ``d`` decode rows before them, if any,
-        in a metadata of their own."""
+    def _mixed_metadata(arrays, block_tables, d, starts, q_lens, context_lens) -> AttentionMetadata:
+        """Prompt rows described from row ``d`` on; the ``d`` single-token rows before them, if
+        any, in a metadata of their own."""
         decode = None
         if d:
             decode = AttentionMetadata(
                 is_prefill=False,
-                slot_mapping=dev["slots"][:d],
-                context_lens=dev["context_lens"][:d],
+                slot_mapping=arrays.slot_mapping[:d],
+                context_lens=arrays.context_lens[:d],
                 block_tables=block_tables[:d],
                 max_seqlen_k=int(context_lens[:d].max()),
                 has_prefix=bool(starts[:d].any()),
-                decode_order=dev["decode_order"],
+                decode_order=arrays.decode_order,
             )
         return AttentionMetadata(
             is_prefill=True,
-            slot_mapping=dev["slots"],
-            context_lens=dev["context_lens"][d:],
+            slot_mapping=arrays.slot_mapping,
+            context_lens=arrays.context_lens[d:],
             block_tables=block_tables[d:],
-            cu_seqlens_q=dev["cu_q"],
-            cu_seqlens_k=dev["cu_k"],
+            cu_seqlens_q=arrays.cu_seqlens_q,
+            cu_seqlens_k=arrays.cu_seqlens_k,
             max_seqlen_q=int(q_lens[d:].max()),
             max_seqlen_k=int(context_lens[d:].max()),
             has_prefix=bool(starts[d:].any()),

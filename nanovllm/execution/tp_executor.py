@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
-from nanovllm.execution.model_runner import ModelRunner, SampledTokens
+from nanovllm.execution.model_runner import ModelRunner, PendingOutput
 from nanovllm.execution.worker import Channel, connect_store, worker_main
 from nanovllm.scheduling import StepBatch
 
@@ -207,8 +207,8 @@ class TPExecutor:
             )
         return error
 
-    def launch(self, batch: StepBatch) -> SampledTokens:
-        """Start one step on every rank; returns rank 0's handle on its sampled tokens."""
+    def launch(self, batch: StepBatch) -> PendingOutput:
+        """Start one step on every rank; returns rank 0's handle on its output."""
         if self.runner is None:
             raise RuntimeError("this executor has been closed")
         if self.size == 1:

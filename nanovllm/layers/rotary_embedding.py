@@ -8,20 +8,7 @@ import math
 import torch
 from torch import nn
 
-SCALING_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
-
-
-def scaling_type(scaling: dict) -> str:
-    """The rope scaling type of Hugging Face's ``rope_parameters`` (older configs: ``type``)."""
-    return scaling.get("rope_type", scaling.get("type", "default"))
-
-
-def dynamic_factor(scaling: dict) -> float:
-    """The ``factor`` of a "dynamic" setting: a number >= 1 (Hugging Face warns below 1)."""
-    factor = scaling.get("factor")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
-        raise ValueError(f"rope scaling 'dynamic' needs a number factor >= 1, got factor={factor!r}")
-    return float(factor)
+from nanovllm.layers.rope_scaling import SCALING_TYPES, dynamic_factor, scaling_type
 
 
 def _dynamic_base(

@@ -4,12 +4,16 @@ Pure data (model classes are imported only when a model is built), so the config
 check a checkpoint before anything heavy is loaded.
 """
 
+from __future__ import annotations
+
 import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from transformers import PretrainedConfig
+from nanovllm.layers.rope_scaling import SCALING_TYPES, dynamic_factor, scaling_type
 
-from nanovllm.layers.rotary_embedding import SCALING_TYPES, dynamic_factor, scaling_type
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True, slots=True)

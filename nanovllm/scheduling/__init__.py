@@ -3,6 +3,15 @@
 from nanovllm.scheduling.block_manager import BlockManager
 from nanovllm.scheduling.scheduler import Scheduler
 from nanovllm.scheduling.sequence import Sequence, SequenceStatus
-from nanovllm.scheduling.step import ScheduledStep, StepBatch
+from nanovllm.scheduling.step import ScheduledStep, StepBatch, StepOutput, TokenLogprobs
 
-__all__ = ["BlockManager", "ScheduledStep", "Scheduler", "Sequence", "SequenceStatus", "StepBatch"]
+__all__ = [
+    "BlockManager",
+    "ScheduledStep",
+    "Scheduler",
+    "Sequence",
+    "SequenceStatus",
+    "StepBatch",
+    "StepOutput",
+    "TokenLogprobs",
+]

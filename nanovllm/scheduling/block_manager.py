@@ -100,16 +100,16 @@ class BlockManager:
             prev = hashes[i]
         return hits
 
-    def allocate(self, seq: Sequence) -> bool:
-        """Give ``seq`` blocks for all its tokens, reusing cached ones, and set its computed
-        count; returns False, changing nothing, when too few blocks are free."""
+    def allocate(self, seq: Sequence) -> int | None:
+        """Give ``seq`` blocks for all its tokens, reusing cached ones; returns how many of its
+        tokens the reused blocks hold, or None, changing nothing, when too few blocks are free."""
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
         hits = self._cached_prefix(seq)
         reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         new = self.num_blocks_needed(len(seq)) - len(hits)
         if new + reused_free > len(self.free_block_ids):
-            return False
+            return None
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -117,8 +117,7 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = hits + [self._take_free_block() for _ in range(new)]
         seq.num_shared_blocks = len(hits)
-        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
-        return True
+        return len(hits) * self.block_size
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks nobody holds go back to the free list."""
@@ -129,7 +128,6 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
         seq.num_shared_blocks = 0
-        seq.num_computed_tokens = 0
 
     def release_all(self) -> None:
         """Drop every reference, whoever held it: all blocks are free again (cached ones keep
@@ -140,27 +138,24 @@ class BlockManager:
                 self.free_block_ids[block.block_id] = None
 
     def forget_cached(self) -> None:
-        """Drop every block's hash: their KV contents are gone (the cache was allocated anew)."""
+        """Drop every block's hash: nothing cached may be hit again (the KV contents are gone,
+        or the weights that computed them changed)."""
         self.hash_to_block.clear()
         for block in self.blocks:
             block.hash, block.prev_hash, block.token_ids = -1, -1, []
 
-    def has_slot(self, seq: Sequence, lookahead: int = 0) -> bool:
-        """Whether ``seq``'s blocks already hold ``len(seq) + lookahead`` tokens."""
-        return len(seq.block_table) * self.block_size >= len(seq) + lookahead
-
-    def append_slot(self, seq: Sequence, lookahead: int = 0) -> bool:
+    def make_room(self, seq: Sequence, lookahead: int = 0) -> bool:
         """Make room for ``len(seq) + lookahead`` tokens (at most one new block); returns
         False when that needs a block and none is free."""
         if len(seq.block_table) * self.block_size >= len(seq.token_ids) + lookahead:
-            return True  # has_slot, inlined: this runs for every decode of every step
+            return True
         if not self.free_block_ids:
             return False
         seq.block_table.append(self._take_free_block())
         return True
 
-    def append_slots(self, seqs: list[Sequence], lookahead: int = 0) -> bool:
-        """:meth:`append_slot` for each of ``seqs``, all or none: False, taking no block, when
+    def make_room_for_all(self, seqs: list[Sequence], lookahead: int = 0) -> bool:
+        """:meth:`make_room` for each of ``seqs``, all or none: False, taking no block, when
         too few are free."""
         bs = self.block_size
         short = [s for s in seqs if len(s.block_table) * bs < len(s.token_ids) + lookahead]

@@ -4,7 +4,13 @@ from collections import deque
 
 from nanovllm.scheduling.block_manager import BlockManager
 from nanovllm.scheduling.sequence import Sequence, SequenceStatus
-from nanovllm.scheduling.step import ScheduledStep
+from nanovllm.scheduling.step import (
+    BlockTableUpdate,
+    NewSlot,
+    PromptLogprobsRequest,
+    ScheduledStep,
+    StepBatch,
+)
 
 
 class Scheduler:
@@ -14,8 +20,11 @@ class Scheduler:
     decodes, then prompt chunks (prompts under way, recomputation after preemption, newly
     admitted prompts); a prompt larger than what is left of the budget is split over steps.
     With ``mixed_steps`` off, prompt work runs in steps of its own, before any decode.
-    Each running sequence holds one of ``max_num_seqs`` rows, under which the executor
+    Each running sequence holds one of ``max_num_seqs`` slots, under which the executor
     keeps its per-sequence state (such as the block table) from step to step.
+
+    The scheduler is the one owner of a sequence's status, slot, computed-token count and
+    what the executor has been sent; the engine decides when a sequence ends (:meth:`finish`).
     """
 
     def __init__(
@@ -24,18 +33,16 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        eos_token_ids: list[int],
         mixed_steps: bool = True,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.mixed_steps = mixed_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -67,7 +74,7 @@ class Scheduler:
         if not self.mixed_steps:  # prompt work first, in steps of its own
             chunks = self._prompt_chunks(continuing, budget, admit=True)
             if chunks:
-                return ScheduledStep.plan([], [], chunks)
+                return self._build_step([], [], chunks)
             continuing = []
         if len(from_previous) + len(decodes) > budget:
             from_previous = from_previous[:budget]
@@ -78,7 +85,7 @@ class Scheduler:
                 return None
         else:
             num_preemptions = self.num_preemptions
-            decodes = self._append_slots_preempting(decodes)
+            decodes = self._make_room_preempting(decodes)
             preempted = self.num_preemptions > num_preemptions
             if preempted:
                 continuing = [
@@ -89,13 +96,14 @@ class Scheduler:
         chunks = self._prompt_chunks(continuing, budget, admit=self.mixed_steps and not preempted)
         if not from_previous and not decodes and not chunks:
             return None
-        return ScheduledStep.plan(from_previous, decodes, chunks)
+        return self._build_step(from_previous, decodes, chunks)
 
     def _classify_running(
         self, in_flight: ScheduledStep | None
     ) -> tuple[list[tuple[Sequence, int]], list[Sequence], list[tuple[Sequence, int]]]:
         """Split the running sequences by what they compute next: ``(seq, row in flight)``
-        for a token in flight, a known last token, ``(seq, start)`` for more prompt."""
+        for a generated token in flight, a generated last token (a decode), ``(seq, start)``
+        for more prompt (or, after preemption, more of the tokens to recompute)."""
         in_flight_rows, in_flight_tokens = {}, []
         if in_flight is not None:
             in_flight_rows = {seq.seq_id: i for i, seq in enumerate(in_flight.seqs)}
@@ -109,7 +117,7 @@ class Scheduler:
             if start == length:  # its next token is in flight; skip it if that token surely ends it
                 if length - seq.num_prompt_tokens + 1 < seq.params.max_tokens and length + 1 < max_model_len:
                     from_previous.append((seq, row))
-            elif start == length - 1:
+            elif start == length - 1 and start >= seq.num_prompt_tokens:
                 decodes.append(seq)
             else:
                 continuing.append((seq, start))
@@ -118,16 +126,17 @@ class Scheduler:
     def _reserve_ahead(self, from_previous: list[tuple[Sequence, int]], decodes: list[Sequence]) -> bool:
         """Slots for every decode while a step is in flight; False when a block is short."""
         bm = self.block_manager
-        return bm.append_slots([seq for seq, _ in from_previous], lookahead=1) and bm.append_slots(decodes)
+        in_flight = [seq for seq, _ in from_previous]
+        return bm.make_room_for_all(in_flight, lookahead=1) and bm.make_room_for_all(decodes)
 
-    def _append_slots_preempting(self, decodes: list[Sequence]) -> list[Sequence]:
+    def _make_room_preempting(self, decodes: list[Sequence]) -> list[Sequence]:
         """A slot for each decode; when a block is short, the newest running sequence is
         preempted (possibly the one asking). Returns the decodes still running."""
-        kept, append_slot = [], self.block_manager.append_slot
+        kept, make_room = [], self.block_manager.make_room
         for seq in decodes:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted for an older sequence's block
-            while not append_slot(seq):
+            while not make_room(seq):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -150,11 +159,15 @@ class Scheduler:
             budget -= n
         while admit and self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if self._prompt_source_pending(seq) or not self.block_manager.allocate(seq):
+            if self._prompt_source_pending(seq):
+                break
+            num_cached = self.block_manager.allocate(seq)
+            if num_cached is None:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            seq.row, seq.num_blocks_sent = self.free_rows.pop(), 0
+            seq.num_cached_tokens = seq.num_computed_tokens = num_cached
+            seq.slot, seq.num_blocks_sent = self.free_slots.pop(), 0
             self.running.append(seq)
             n = min(len(seq) - seq.num_computed_tokens, budget)
             chunks.append((seq, seq.num_computed_tokens, n))
@@ -172,9 +185,9 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
-        if seq.row >= 0:
-            self.free_rows.append(seq.row)
-            seq.row = -1
+        seq.num_computed_tokens = 0
+        self.free_slots.append(seq.slot)
+        seq.slot = -1
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks; it is recomputed (hitting its own cached blocks) later."""
@@ -184,59 +197,89 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def postprocess(self, step: ScheduledStep, token_ids: list[int]) -> list[Sequence]:
-        """Record computed KV, append sampled tokens, finish sequences; returns the finished."""
-        finished = []
-        for seq, n, token_id in zip(step.seqs, step.batch.num_tokens, token_ids):
+    def update_from_output(self, step: ScheduledStep, token_ids: list[int]) -> list[int]:
+        """Record the step's computed KV and append its sampled tokens; returns the rows whose
+        sequence got a new token (not a prompt chunk's, nor a sequence that ended meanwhile)."""
+        rows = []
+        for row, (seq, n) in enumerate(zip(step.seqs, step.batch.num_tokens)):
             if seq.status == SequenceStatus.FINISHED:
                 continue  # it ended on the previous step's token; this one was planned ahead
             seq.num_computed_tokens += n
             self.block_manager.commit_computed(seq)
             if seq.num_computed_tokens < len(seq):
                 continue  # a prompt chunk: no token is sampled yet
-            seq.token_ids.append(token_id)
-            reason = self._finish_reason(seq, token_id)
-            if reason:
-                self._finish(seq, reason)
-                finished.append(seq)
-        return finished
+            seq.token_ids.append(token_ids[row])
+            rows.append(row)
+        return rows
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End running ``seq`` (``finish_reason`` "stop" or "length"); its blocks and slot go back."""
+        seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
         self.running.remove(seq)
         self._release(seq)
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        params = seq.params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
-        if token_id in params.stop_token_ids:
-            seq.stop_reason = token_id
-            return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
-
-    def stop(self, seq: Sequence, stop_reason: str) -> None:
-        """End ``seq`` ("stop") for a reason found outside the scheduler (a stop string); one
-        that just ended for another reason (its length) takes this reason instead."""
-        if seq.status == SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-            self._release(seq)
-            seq.status = SequenceStatus.FINISHED
-        elif not seq.is_finished:
-            self._finish(seq, "stop")
-        seq.finish_reason, seq.stop_reason = "stop", stop_reason
+    def forget_cached_prefixes(self) -> None:
+        """No cached block may be hit again (the KV cache's contents were lost)."""
+        self.block_manager.forget_cached()
 
     def abort_all(self) -> list[Sequence]:
-        """End every waiting and running sequence ("abort") and take back every block and row,
+        """End every waiting and running sequence ("abort") and take back every block and slot,
         also those an interrupted step held without recording them."""
         aborted = [*self.running, *self.waiting]
         for seq in aborted:
-            seq.block_table, seq.row = [], -1
+            seq.block_table, seq.num_shared_blocks, seq.num_computed_tokens, seq.slot = [], 0, 0, -1
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self.running.clear()
         self.waiting.clear()
         self.block_manager.release_all()
-        self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))
+        self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
         return aborted
+
+    def _build_step(
+        self,
+        from_previous: list[tuple[Sequence, int]],
+        decodes: list[Sequence],
+        chunks: list[tuple[Sequence, int, int]],
+    ) -> ScheduledStep:
+        """A step of ``from_previous`` rows ``(seq, row in the step in flight)``, whose input is
+        the token in flight; of ``decodes``, whose input is their last token; and of prompt
+        ``chunks`` ``(seq, start, num_tokens)``. Rows of one token go first. What the executor
+        does not hold yet is sent, once."""
+        single = [c for c in chunks if c[2] == 1]
+        if single:
+            chunks = single + [c for c in chunks if c[2] > 1]
+        seqs = [s for s, _ in from_previous] + decodes + [s for s, _, _ in chunks]
+        token_ids = [s.token_ids[-1] for s in decodes]
+        for s, start, n in chunks:
+            token_ids += s.token_ids[start : start + n]
+        new_slots, updates = [], []
+        for s in seqs:
+            sent = s.num_blocks_sent
+            if sent == 0:
+                history = list(s.token_ids) if s.params.penalizes_repeats else None
+                new_slots.append(NewSlot(s.slot, s.num_prompt_tokens, s.params, history))
+            if len(s.block_table) > sent:
+                updates.append(BlockTableUpdate(s.slot, sent, s.block_table[sent:]))
+                s.num_blocks_sent = len(s.block_table)
+        num_decodes = len(from_previous) + len(decodes)
+        prompt_logprobs = []
+        for row, (s, start, n) in enumerate(chunks, start=num_decodes):
+            if s.params.prompt_logprobs is not None and start + 1 < s.num_prompt_tokens:
+                targets = s.token_ids[start + 1 : min(start + n + 1, s.num_prompt_tokens)]
+                k = s.params.prompt_logprobs
+                prompt_logprobs.append(PromptLogprobsRequest(row, start + 1, targets, k))
+        num_single = num_decodes + len(single)
+        batch = StepBatch(
+            slots=[s.slot for s in seqs],
+            num_tokens=[1] * num_single + [n for _, _, n in chunks[len(single) :]],
+            token_ids=token_ids,
+            start_positions=[len(s.token_ids) for s, _ in from_previous]
+            + [len(s.token_ids) - 1 for s in decodes]
+            + [start for _, start, _ in chunks],
+            num_single_token_rows=num_single,
+            new_slots=new_slots,
+            block_table_updates=updates,
+            previous_sample_rows=[row for _, row in from_previous],
+            prompt_logprobs=prompt_logprobs,
+        )
+        return ScheduledStep(seqs, batch, num_decodes)

@@ -12,11 +12,13 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """Token ids of one request plus the bookkeeping the scheduler and KV cache need.
+    """Token ids of one completion plus the bookkeeping the scheduler and KV cache need.
 
-    ``num_computed_tokens`` counts tokens whose KV is in the cache (cache hits included)
-    once the steps that computed them have been postprocessed. ``block_hashes``
-    holds the chained hash of each full block of ``token_ids``, computed once.
+    The :class:`~nanovllm.scheduling.BlockManager` owns ``block_table``, ``block_hashes`` (the
+    chained hash of each full block of ``token_ids``, computed once) and ``num_shared_blocks``;
+    the :class:`~nanovllm.scheduling.Scheduler` owns everything else. ``num_computed_tokens``
+    counts tokens whose KV is in the cache (cache hits included) once the steps that computed
+    them have returned.
     """
 
     __slots__ = (
@@ -29,7 +31,7 @@ class Sequence:
         "block_table",
         "block_hashes",
         "num_shared_blocks",
-        "row",
+        "slot",
         "num_blocks_sent",
         "params",
         "finish_reason",
@@ -48,8 +50,8 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.num_shared_blocks = 0
         """Leading blocks of ``block_table`` registered in the prefix cache."""
-        self.row = -1
-        """This sequence's row among the running ones, stable while it runs; -1 otherwise."""
+        self.slot = -1
+        """The executor slot holding this sequence's state while it runs; -1 otherwise."""
         self.num_blocks_sent = 0
         """Entries of ``block_table`` that the executor has already been sent."""
         self.params = params

@@ -4,22 +4,31 @@ import torch
 
 from nanovllm import LLM
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.scheduling import ScheduledStep, Sequence
+from nanovllm.scheduling import Sequence, StepBatch
+from nanovllm.scheduling.step import BlockTableUpdate, NewSlot
 
 
 def prefill_logits(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, int]:
     """Logits of the uncached prompt positions (and where they start), via the paged prefill."""
-    seq = Sequence(-1, prompt, SamplingParams(temperature=0))
+    params = SamplingParams(temperature=0)
+    seq = Sequence(-1, prompt, params)
     manager = llm.scheduler.block_manager
-    assert manager.allocate(seq)
+    start = manager.allocate(seq)
+    assert start is not None
     try:
-        start = seq.num_computed_tokens
-        seq.row = 0  # the engine is idle: every row is free
+        n = len(prompt) - start
+        batch = StepBatch(  # slot 0: the engine is idle, every slot is free
+            slots=[0],
+            num_tokens=[n],
+            token_ids=prompt[start:],
+            start_positions=[start],
+            num_single_token_rows=int(n == 1),
+            new_slots=[NewSlot(0, len(prompt), params)],
+            block_table_updates=[BlockTableUpdate(0, 0, seq.block_table)],
+        )
         runner = llm.executor.runner
         with torch.inference_mode():
-            inputs = runner.inputs.build(
-                ScheduledStep.plan([], [], [(seq, start, len(prompt) - start)]).batch, with_sampling=False
-            )
+            inputs = runner.inputs.build(batch)
             hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
             logits = runner.model.compute_logits(hidden)
         return logits.float().cpu(), start

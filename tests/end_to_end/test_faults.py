@@ -11,7 +11,7 @@ import time
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.execution.model_runner import SampledTokens
+from nanovllm.execution.model_runner import PendingOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 OPTIONS = dict(device="cpu", dtype="float32", max_model_len=128, kvcache_block_size=16, max_num_seqs=4)
@@ -69,9 +69,9 @@ def test_ctrl_c_between_collectives_needs_no_restart(llm, prompts, check_whole, 
         if stage == "schedule":  # planning a step, with a step in flight or not
             raise_on_call(m, llm.scheduler, "_plan", 3, KeyboardInterrupt())
         elif stage == "read back":
-            raise_on_call(m, SampledTokens, "tolist", 3, KeyboardInterrupt())
+            raise_on_call(m, PendingOutput, "result", 3, KeyboardInterrupt())
         else:
-            raise_on_call(m, llm.scheduler, "postprocess", 3, KeyboardInterrupt())
+            raise_on_call(m, llm.scheduler, "update_from_output", 3, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt):
             llm.generate(prompts, GREEDY, use_tqdm=False)
     assert not llm.executor.broken and worker_pids(llm) == pids

@@ -171,7 +171,7 @@ def test_a_failed_step_leaves_the_engine_whole(qwen3_dir, prompts, hf_reference)
         with pytest.raises(KeyboardInterrupt):
             llm.generate(prompts, GREEDY, use_tqdm=False)
         assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == 20
-        assert sorted(llm.scheduler.free_rows) == list(range(BASE["max_num_seqs"]))
+        assert sorted(llm.scheduler.free_slots) == list(range(BASE["max_num_seqs"]))
         outs = llm.generate(prompts[::-1], GREEDY, use_tqdm=False)
         assert [o["token_ids"] for o in outs] == hf_reference(qwen3_dir, prompts, 24)[::-1]
     finally:

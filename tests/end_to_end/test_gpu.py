@@ -171,19 +171,19 @@ def test_long_context_decode_with_graphs(gpu_model_dir):
 def test_interrupted_generate_then_correct_with_graphs_and_async(
     gpu_model_dir, prompts, hf_reference, monkeypatch
 ):
-    from nanovllm.execution.model_runner import SampledTokens
+    from nanovllm.execution.model_runner import PendingOutput
 
     llm = gpu_llm(gpu_model_dir, "triton", False, async_scheduling=True)
     try:
-        tolist, calls = SampledTokens.tolist, [0]
+        result, calls = PendingOutput.result, [0]
 
         def interrupted(self):
             calls[0] += 1
             if calls[0] == 5:  # a decode step is in flight and the next one planned ahead
                 raise KeyboardInterrupt
-            return tolist(self)
+            return result(self)
 
-        monkeypatch.setattr(SampledTokens, "tolist", interrupted)
+        monkeypatch.setattr(PendingOutput, "result", interrupted)
         with pytest.raises(KeyboardInterrupt):
             llm.generate(prompts, GREEDY, use_tqdm=False)
         monkeypatch.undo()

@@ -1,6 +1,6 @@
 """Logits processing against Hugging Face's processors, over simulated runs on CPU.
 
-Rows are taken, prefilled in chunks, decoded and taken over again, the way the scheduler
+Slots are taken, prefilled in chunks, decoded and taken over again, the way the scheduler
 drives the executor; at every step where a row samples a real token, our processed logits
 must equal those of Hugging Face's processors (``RepetitionPenaltyLogitsProcessor``,
 ``SequenceBiasLogitsProcessor``, ``PrefixConstrainedLogitsProcessor``,
@@ -15,12 +15,13 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from nanovllm.execution.logits_processors import LogitsRows, process_logits, record_samples
+from nanovllm.execution.logits_processors import LogitsSlots, LogitsTensors, process_logits, record_samples
+from nanovllm.execution.upload import upload
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.scheduling.step import NewRow
+from nanovllm.scheduling.step import NewSlot
 from tests.end_to_end import hf_oracle
 
-VOCAB, EOS, ROWS, MAX_LEN, CHUNK = 40, (1, 2), 4, 64, 5
+VOCAB, EOS, SLOTS, MAX_LEN, CHUNK = 40, (1, 2), 4, 64, 5
 
 
 def hf_processors(p: SamplingParams, prompt_len: int, eos=EOS) -> LogitsProcessorList:
@@ -30,7 +31,7 @@ def hf_processors(p: SamplingParams, prompt_len: int, eos=EOS) -> LogitsProcesso
 
 @dataclass
 class Seq:
-    row: int
+    slot: int
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
@@ -41,29 +42,37 @@ class Seq:
     def __post_init__(self):
         self.processors = hf_processors(self.params, self.num_prompt_tokens)
 
-    def new_row(self) -> NewRow:
+    def new_slot(self) -> NewSlot:
         p = self.params
         repeats = p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
-        return NewRow(self.row, self.num_prompt_tokens, p, list(self.token_ids) if repeats else None)
+        return NewSlot(self.slot, self.num_prompt_tokens, p, list(self.token_ids) if repeats else None)
+
+
+def gather(slots: LogitsSlots, batch_slots, context_lens, prompt_lens) -> LogitsTensors | None:
+    """The batch's logits processing, as the executor gets it (uploaded, here to the CPU)."""
+    lt = slots.gather(np.asarray(batch_slots), np.asarray(context_lens), np.asarray(prompt_lens))
+    if lt is not None:
+        upload(torch.device("cpu"), lt)
+    return lt
 
 
 class Driver:
-    """A minimal scheduler over :class:`LogitsRows`: chunks of ``CHUNK`` tokens, then decodes."""
+    """A minimal scheduler over :class:`LogitsSlots`: chunks of ``CHUNK`` tokens, then decodes."""
 
     def __init__(self, seed: int = 0):
-        self.rows = LogitsRows(ROWS, MAX_LEN, EOS, torch.device("cpu"))
+        self.slots = LogitsSlots(SLOTS, MAX_LEN, EOS, torch.device("cpu"))
         self.gen = torch.Generator().manual_seed(seed)
         self.num_checked = 0
 
     def step(self, seqs: list[Seq]) -> None:
-        new_rows = [s.new_row() for s in seqs if not s.sent]
         for s in seqs:
-            s.sent = True
+            if not s.sent:
+                self.slots.assign(s.new_slot())
+                s.sent = True
         counts = [min(CHUNK, len(s.token_ids) - s.computed) for s in seqs]
         context_lens = np.array([s.computed + n for s, n in zip(seqs, counts)], dtype=np.int64)
-        self.rows.update(new_rows)
-        host = self.rows.arrays(np.array([s.row for s in seqs], dtype=np.int64), context_lens)
-        lt = self.rows.tensors({name: torch.from_numpy(a) for name, a in host.items()}, host)
+        prompt_lens = [s.num_prompt_tokens for s in seqs]
+        lt = gather(self.slots, [s.slot for s in seqs], context_lens, prompt_lens)
         logits = torch.randn(len(seqs), VOCAB, generator=self.gen) * 3
         ours = logits if lt is None else process_logits(logits, lt)
         sampled = torch.multinomial(ours.softmax(-1), 1, generator=self.gen).squeeze(1)
@@ -106,34 +115,34 @@ def prompt(seed: int, n: int) -> list[int]:
 
 @pytest.mark.parametrize("name", CASES)
 def test_matches_hf_mixed_with_plain_rows(name):
-    # row 2 uses the feature; rows 0, 1 and 3 are plain and must stay untouched
+    # slot 2 uses the feature; slots 0, 1 and 3 are plain and must stay untouched
     driver = Driver()
     plain = SamplingParams()
-    seqs = [Seq(r, prompt(r, 3 + 4 * r), 3 + 4 * r, CASES[name] if r == 2 else plain) for r in range(ROWS)]
+    seqs = [Seq(r, prompt(r, 3 + 4 * r), 3 + 4 * r, CASES[name] if r == 2 else plain) for r in range(SLOTS)]
     for _ in range(14):
         driver.step(seqs)
     assert driver.num_checked == 4 * 14 - 5  # prompts of 7, 11 and 15 tokens take 2, 3 and 3 steps
-    # a new sequence takes row 2 with other params: it starts with no history of its own
+    # a new sequence takes slot 2 with other params: it starts with no history of its own
     seqs[2] = Seq(2, prompt(9, 7), 7, CASES["everything" if name != "everything" else "frequency"])
     for _ in range(10):
         driver.step(seqs)
 
 
-def test_every_row_different_and_row_reuse():
+def test_every_slot_different_and_slot_reuse():
     driver = Driver(seed=1)
     names = list(CASES)
-    seqs = [Seq(r, prompt(10 + r, 6 + r), 6 + r, CASES[names[r]]) for r in range(ROWS)]
-    for i in range(ROWS, len(names)):  # each step, one row is taken by the next case
+    seqs = [Seq(r, prompt(10 + r, 6 + r), 6 + r, CASES[names[r]]) for r in range(SLOTS)]
+    for i in range(SLOTS, len(names)):  # each step, one slot is taken by the next case
         for _ in range(6):
             driver.step(seqs)
-        row = i % ROWS
-        seqs[row] = Seq(row, prompt(i, 4), 4, CASES[names[i]])
+        slot = i % SLOTS
+        seqs[slot] = Seq(slot, prompt(i, 4), 4, CASES[names[i]])
     for _ in range(6):
         driver.step(seqs)
 
 
 def test_readmitted_sequence_keeps_its_completion():
-    # after a preemption the row is sent the prompt and the tokens generated before: they are
+    # after a preemption the slot is sent the prompt and the tokens generated before: they are
     # recomputed as a prompt, but still count as completion for the penalties and min_tokens
     driver = Driver(seed=2)
     params = SamplingParams(frequency_penalty=1, presence_penalty=0.5, repetition_penalty=1.4, min_tokens=12)
@@ -149,27 +158,27 @@ def test_readmitted_sequence_keeps_its_completion():
 
 
 def test_unused_features_cost_nothing():
-    rows = LogitsRows(ROWS, MAX_LEN, EOS, torch.device("cpu"))
-    rows.update([NewRow(r, 5, SamplingParams(temperature=0.5, top_k=3, seed=r)) for r in range(ROWS)])
-    assert rows.arrays(np.arange(ROWS), np.full(ROWS, 5)) == {}
-    assert rows.tensors({}, {}) is None and rows.history is None
-    # a row that uses a feature but is not in the batch adds nothing either
-    rows.update([NewRow(3, 5, SamplingParams(repetition_penalty=1.2), [0] * 5)])
-    assert rows.arrays(np.arange(3), np.full(3, 6)) == {}
+    slots = LogitsSlots(SLOTS, MAX_LEN, EOS, torch.device("cpu"))
+    for r in range(SLOTS):
+        slots.assign(NewSlot(r, 5, SamplingParams(temperature=0.5, top_k=3, seed=r)))
+    assert slots.gather(np.arange(SLOTS), np.full(SLOTS, 5), np.full(SLOTS, 5)) is None
+    assert slots.history is None
+    # a slot that uses a feature but is not in the batch adds nothing either
+    slots.assign(NewSlot(3, 5, SamplingParams(repetition_penalty=1.2), [0] * 5))
+    assert slots.gather(np.arange(3), np.full(3, 6), np.full(3, 5)) is None
 
 
 def test_processing_leaves_the_input_logits_alone():
-    rows = LogitsRows(ROWS, MAX_LEN, EOS, torch.device("cpu"))
-    rows.update([NewRow(0, 3, SamplingParams(logit_bias={2: 1.0}, repetition_penalty=2.0), [2, 2, 3])])
-    host = rows.arrays(np.array([0]), np.array([3]))
-    lt = rows.tensors({name: torch.from_numpy(a) for name, a in host.items()}, host)
+    slots = LogitsSlots(SLOTS, MAX_LEN, EOS, torch.device("cpu"))
+    slots.assign(NewSlot(0, 3, SamplingParams(logit_bias={2: 1.0}, repetition_penalty=2.0), [2, 2, 3]))
+    lt = gather(slots, [0], [3], [3])
     logits = torch.ones(1, VOCAB)
     out = process_logits(logits, lt)
     assert torch.equal(logits, torch.ones(1, VOCAB))
     assert out[0, 2] == 1.0 and out[0, 3] == 0.5 and out[0, 4] == 1.0
 
 
-def test_missing_token_ids_for_a_penalty_row_is_an_error():
-    rows = LogitsRows(ROWS, MAX_LEN, EOS, torch.device("cpu"))
+def test_missing_token_ids_for_a_penalty_slot_is_an_error():
+    slots = LogitsSlots(SLOTS, MAX_LEN, EOS, torch.device("cpu"))
     with pytest.raises(ValueError, match="no token ids"):
-        rows.update([NewRow(0, 3, SamplingParams(presence_penalty=1.0))])
+        slots.assign(NewSlot(0, 3, SamplingParams(presence_penalty=1.0)))

@@ -11,7 +11,7 @@ from nanovllm.config import Config
 from nanovllm.execution.step_inputs import StepInputBuilder
 from nanovllm.layers.attention import Attention
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.scheduling.step import BlockTableUpdate, NewRow, StepBatch
+from nanovllm.scheduling.step import BlockTableUpdate, NewSlot, StepBatch
 from tests.interpreter import DEVICE
 
 # on a GPU machine these run on the device too (``-m gpu``); on CPU, under the interpreter
@@ -43,15 +43,15 @@ def test_a_mixed_step_attends_as_each_row_alone(config, backend, dtype):
     gen = torch.Generator().manual_seed(0)
     tables = torch.randperm(NUM_BLOCKS, generator=gen).view(len(ROWS), -1)[:, :2].tolist()
     batch = StepBatch(
-        rows=list(range(len(ROWS))),
+        slots=list(range(len(ROWS))),
         num_tokens=[n for _, n in ROWS],
         token_ids=[0] * sum(n for _, n in ROWS),
         start_positions=[s for s, _ in ROWS],
-        num_decode_rows=2,
-        new_rows=[NewRow(r, s + n, SamplingParams()) for r, (s, n) in enumerate(ROWS)],
+        num_single_token_rows=2,
+        new_slots=[NewSlot(r, s + n, SamplingParams()) for r, (s, n) in enumerate(ROWS)],
         block_table_updates=[BlockTableUpdate(r, 0, t) for r, t in enumerate(tables)],
     )
-    meta = StepInputBuilder(config, torch.device(DEVICE)).build(batch, with_sampling=False).meta
+    meta = StepInputBuilder(config, torch.device(DEVICE), samples=False).build(batch).meta
     assert meta.is_prefill and meta.num_decode_tokens == 2 and meta.has_prefix
 
     def rand(*shape):

@@ -52,7 +52,7 @@ class CheckedHarness(Harness):
             assert meta_tables[i][: len(seq.block_table)] == seq.block_table
         if b.is_decode:
             assert meta.context_lens.tolist() == [s + n for s, n in zip(b.start_positions, b.num_tokens)]
-        k, d = len(b.previous_sample_rows), b.num_decode_rows
+        k, d = len(b.previous_sample_rows), b.num_single_token_rows
         assert inputs.input_ids.tolist() == ids  # the first k rows' tokens are still in flight
         if k:
             assert inputs.previous_sample_rows.tolist() == b.previous_sample_rows
@@ -138,7 +138,7 @@ def test_sampling_values_travel_per_row(config):
     assert sampling.top_ps.tolist() == [1.0, 0.5] and sampling.min_ps.tolist() == pytest.approx([0.0, 0.1])
     # any Python int seed travels as its 64 bits; the unseeded row is marked by step -1
     assert sampling.seeds.tolist()[0] == -1 and sampling.steps.tolist() == [0, -1]
-    h.sched.postprocess(step, [9, 9])  # a decode step next: the first row's second token
+    h.update(step, [9, 9])  # a decode step next: the first row's second token
     sampling = h.builder.build(h.sched.schedule().batch).sampling
     assert sampling.steps.tolist() == [1, -1] and sampling.temperatures.tolist() == pytest.approx([0.7, 0.0])
     assert not sampling.all_greedy

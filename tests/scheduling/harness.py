@@ -4,19 +4,21 @@ The fake model's next token is a fixed function of the whole context, so the exp
 completion of every request is known without the scheduler; a fake KV cache records, for
 every slot, a fingerprint of the context its KV was computed from, and every step checks
 that a sequence only ever reads KV of its own prefix (prefix hits, preemption and chunking
-included) and only writes into blocks nobody else holds. A fake executor keeps each row's
-block table from the steps' deltas alone and checks it against the sequences' tables.
+included) and only writes into blocks nobody else holds. A fake executor keeps each slot's
+block table from the steps' deltas alone and checks it against the sequences' tables. The
+engine's own :class:`OutputProcessor` applies each step's tokens and ends sequences.
 """
 
 import contextlib
 import signal
 from collections import deque
 
+from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.scheduling.block_manager import BlockManager
 from nanovllm.scheduling.scheduler import Scheduler
 from nanovllm.scheduling.sequence import Sequence, SequenceStatus
-from nanovllm.scheduling.step import ScheduledStep
+from nanovllm.scheduling.step import ScheduledStep, StepOutput
 
 VOCAB = 1000
 DUMMY = -12345  # what the "model" returns for a prompt chunk; must never be appended
@@ -86,8 +88,9 @@ class Harness:
         self.bs = block_size
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(
-            self.bm, max_num_seqs, max_num_batched_tokens, max_model_len, list(eos), mixed_steps=mixed
+            self.bm, max_num_seqs, max_num_batched_tokens, max_model_len, mixed_steps=mixed
         )
+        self.output_processor = OutputProcessor(self.sched, eos, max_model_len)
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.seqs: list[Sequence] = []
         self.finished: list[Sequence] = []
@@ -95,8 +98,8 @@ class Harness:
         self.prefix_hit_tokens = 0
         self.preempted_ids: set[int] = set()
         self.readmitted_with_hit = 0
-        self.row_tables: dict[int, list[int]] = {}  # the fake executor's block tables, by row
-        self.row_prompt_lens: dict[int, int] = {}
+        self.slot_tables: dict[int, list[int]] = {}  # the fake executor's block tables, by slot
+        self.slot_prompt_lens: dict[int, int] = {}
 
     def add(self, tokens, **params) -> Sequence:
         seq = Sequence(len(self.seqs), list(tokens), SamplingParams(**params))
@@ -124,10 +127,14 @@ class Harness:
         tokens = [self.compute(s, start, n) for s, start, n in self.rows(step)]
         if tokens_for is not None:
             tokens = [tokens_for(s) if t != DUMMY else t for s, t in zip(seqs, tokens)]
-        finished = self.sched.postprocess(step, tokens)
+        finished = self.update(step, tokens)
         self.finished.extend(finished)
         self.check_blocks()
-        return seqs, not step.is_decode, finished
+        return seqs, not step.batch.is_decode, finished
+
+    def update(self, step: ScheduledStep, tokens: list[int]) -> list[Sequence]:
+        """What the engine does with a step's tokens: record them, end the sequences they end."""
+        return self.output_processor.process(step, StepOutput(tokens)).finished
 
     @staticmethod
     def rows(step: ScheduledStep) -> list[tuple[Sequence, int, int]]:
@@ -166,31 +173,31 @@ class Harness:
                 tokens = [
                     DUMMY if s.is_finished else self.compute(s, start, n) for s, start, n in self.rows(step)
                 ]
-                self.finished.extend(self.sched.postprocess(step, tokens))
+                self.finished.extend(self.update(step, tokens))
                 self.check_blocks()
         return ahead
 
     # ------------------------------------------------------------------ fake executor
 
     def apply_batch(self, step: ScheduledStep) -> None:
-        """Keep each row's block table and prompt length from what the batch carries, as the
+        """Keep each slot's block table and prompt length from what the batch carries, as the
         executor does, and check them against the sequences."""
         b = step.batch
-        assert len(set(b.rows)) == len(b.rows), "two batch rows share an executor row"
-        running_rows = [s.row for s in self.sched.running]
-        assert len(set(running_rows)) == len(running_rows), "two running sequences share a row"
-        for new in b.new_rows:
-            self.row_tables[new.row] = []
-            self.row_prompt_lens[new.row] = new.num_prompt_tokens
+        assert len(set(b.slots)) == len(b.slots), "two batch rows share an executor slot"
+        running_slots = [s.slot for s in self.sched.running]
+        assert len(set(running_slots)) == len(running_slots), "two running sequences share a slot"
+        for new in b.new_slots:
+            self.slot_tables[new.slot] = []
+            self.slot_prompt_lens[new.slot] = new.num_prompt_tokens
         for u in b.block_table_updates:
-            table = self.row_tables[u.row]
-            assert len(table) == u.start, "an update that does not continue its row"
+            table = self.slot_tables[u.slot]
+            assert len(table) == u.start, "an update that does not continue its slot's table"
             table += u.block_ids
         assert len(b.num_tokens) == len(b.start_positions) == len(step.seqs)
-        for seq, row in zip(step.seqs, b.rows):
-            assert 0 <= row < self.sched.max_num_seqs and seq.row == row
-            assert self.row_tables[row] == seq.block_table, f"row {row} drifted from seq {seq.seq_id}"
-            assert self.row_prompt_lens[row] == seq.num_prompt_tokens
+        for seq, slot in zip(step.seqs, b.slots):
+            assert 0 <= slot < self.sched.max_num_seqs and seq.slot == slot
+            assert self.slot_tables[slot] == seq.block_table, f"slot {slot} drifted from seq {seq.seq_id}"
+            assert self.slot_prompt_lens[slot] == seq.num_prompt_tokens
 
     def compute(self, seq: Sequence, start: int, n: int) -> int:
         """Fake KV for ``n`` tokens from ``start``, checking what is read; returns the next
@@ -227,10 +234,12 @@ class Harness:
             assert s.status == SequenceStatus.WAITING and s.block_table == []
         assert sum(b.num_tokens) <= sched.max_num_batched_tokens and len(seqs) <= sched.max_num_seqs
         num_previous = len(b.previous_sample_rows)
-        assert num_previous <= b.num_decode_rows
+        assert num_previous <= step.num_decodes <= b.num_single_token_rows
         assert sched.mixed_steps or not num_previous or b.is_decode, "mixed steps are off"
         for i, (s, start, n) in enumerate(self.rows(step)):
-            assert n >= 1 and (i < b.num_decode_rows) == (n == 1), "decode rows go first"
+            assert n >= 1 and (i < b.num_single_token_rows) == (n == 1), "single-token rows go first"
+            if num_previous <= i < step.num_decodes:  # a decode's input is its newest generated token
+                assert start == len(s) - 1 >= s.num_prompt_tokens
             if i < num_previous:  # its input is the token in flight, at position len(s)
                 assert start == len(s)
             else:

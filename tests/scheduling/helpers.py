@@ -14,10 +14,26 @@ def make_seq(tokens) -> Sequence:
     return Sequence(next(_seq_ids), list(tokens), SamplingParams(max_tokens=8))
 
 
+def admit(bm: BlockManager, seq: Sequence) -> bool:
+    """Allocate ``seq``'s blocks as the scheduler does (its computed count starts at its cache
+    hits); False when they do not fit."""
+    num_cached = bm.allocate(seq)
+    if num_cached is None:
+        return False
+    seq.num_cached_tokens = seq.num_computed_tokens = num_cached
+    return True
+
+
+def release(bm: BlockManager, seq: Sequence) -> None:
+    """Free ``seq``'s blocks as the scheduler does."""
+    bm.free(seq)
+    seq.num_computed_tokens = 0
+
+
 def computed_seq(bm: BlockManager, tokens) -> Sequence:
     """A sequence allocated in ``bm`` with KV computed for all its tokens."""
     seq = make_seq(tokens)
-    bm.allocate(seq)
+    admit(bm, seq)
     compute(bm, seq)
     return seq
 

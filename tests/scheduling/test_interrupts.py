@@ -1,4 +1,4 @@
-"""An interrupt at any point of scheduling loses no KV block and no row.
+"""An interrupt at any point of scheduling loses no KV block and no slot.
 
 Every call into the block manager (and the scheduler's own state changes) is a point where a
 Ctrl-C can land, before or after the call's effect; after it the engine aborts, and every
@@ -16,12 +16,13 @@ from tests.scheduling.harness import VOCAB, Harness
 POINTS = [
     (BlockManager, "_take_free_block"),
     (BlockManager, "allocate"),
-    (BlockManager, "append_slot"),
-    (BlockManager, "append_slots"),
+    (BlockManager, "make_room"),
+    (BlockManager, "make_room_for_all"),
     (BlockManager, "commit_computed"),
     (BlockManager, "free"),
     (Scheduler, "_preempt"),
-    (Scheduler, "_finish"),
+    (Scheduler, "finish"),
+    (Scheduler, "update_from_output"),
     (Scheduler, "schedule_ahead"),
     (Scheduler, "_prompt_chunks"),
 ]
@@ -78,7 +79,7 @@ def test_interrupt_at_each_point_loses_nothing(monkeypatch, cls, name, after, mi
                 interrupted += 1
                 h.sched.abort_all()
         assert h.bm.num_free_blocks == 10 and all(b.ref_count == 0 for b in h.bm.blocks)
-        assert sorted(h.sched.free_rows) == [0, 1, 2, 3] and h.sched.is_finished()
+        assert sorted(h.sched.free_slots) == [0, 1, 2, 3] and h.sched.is_finished()
         h.seqs, h.finished, h.row_tables = [], [], {}
         workload(h, rng, 6)
         h.run()

@@ -6,7 +6,7 @@ trusted only when the tokens and the whole prefix match, not the hash alone.
 
 import nanovllm.scheduling.block_manager as bm_module
 from nanovllm.scheduling.block_manager import BlockManager, block_hash
-from tests.scheduling.helpers import BS, check_invariants, compute, computed_seq, make_seq
+from tests.scheduling.helpers import BS, admit, check_invariants, compute, computed_seq, make_seq, release
 
 # ----------------------------------------------------------------------------- hashing
 
@@ -37,7 +37,7 @@ def test_same_block_after_different_prefixes_is_not_shared():
     x = make_seq([1, 2, 3, 4] + common + [0])
     y = make_seq([5, 6, 7, 8] + common + [0])
     for s in (x, y):
-        bm.allocate(s)
+        admit(bm, s)
         compute(bm, s)
     bx, by = bm.blocks[x.block_table[1]], bm.blocks[y.block_table[1]]
     assert bx.token_ids == by.token_ids == common
@@ -45,12 +45,12 @@ def test_same_block_after_different_prefixes_is_not_shared():
     assert bx.hash == block_hash(common, bm.blocks[x.block_table[0]].hash)
     # a newcomer with y's prefix hits y's two blocks, never x's
     z = make_seq([5, 6, 7, 8] + common + [1, 2])
-    bm.allocate(z)
+    admit(bm, z)
     assert z.block_table[:2] == y.block_table[:2]
     assert x.block_table[1] not in z.block_table
     # a newcomer with a fresh first block but the common second block hits nothing
     w = make_seq([7, 7, 7, 7] + common + [1])
-    bm.allocate(w)
+    admit(bm, w)
     assert w.num_computed_tokens == 0
     assert not set(w.block_table) & set(x.block_table + y.block_table)
     check_invariants(bm, [x, y, z, w])
@@ -65,10 +65,10 @@ def test_prompts_past_the_shared_length_neither_hit_nor_register():
     short = computed_seq(bm, range(1, 9))  # within the limit: registers its two blocks
     assert len(bm.hash_to_block) == 2
     longer = make_seq(range(1, 12))
-    bm.allocate(longer)
+    admit(bm, longer)
     assert longer.num_computed_tokens == 0 and not set(longer.block_table) & set(short.block_table)
     shorter = make_seq(range(1, 8))
-    bm.allocate(shorter)
+    admit(bm, shorter)
     assert shorter.block_table[0] == short.block_table[0] and shorter.num_cached_tokens == BS
     check_invariants(bm, [long, short, longer, shorter])
 
@@ -81,11 +81,11 @@ def test_freed_blocks_are_hit_again():
     prompt = list(range(50, 59))
     a = computed_seq(bm, prompt)
     old = list(a.block_table)
-    bm.free(a)
+    release(bm, a)
     assert bm.num_free_blocks == 6
 
     b = make_seq(prompt + [1, 2])
-    assert bm.allocate(b)
+    assert admit(bm, b)
     assert b.block_table[:2] == old[:2]
     assert b.num_cached_tokens == 8
     assert bm.num_free_blocks == 6 - 3
@@ -100,11 +100,11 @@ def test_reused_block_with_stale_hash_no_longer_matches():
     a = computed_seq(bm, prompt)
     hashes = [bm.blocks[b].hash for b in a.block_table[:2]]
     assert all(h in bm.hash_to_block for h in hashes)
-    bm.free(a)
+    release(bm, a)
 
     # another prompt takes every block, including the two that still carry a's hashes
     other = make_seq(range(200, 212))
-    bm.allocate(other)
+    admit(bm, other)
     assert other.num_computed_tokens == 0
     assert sorted(other.block_table) == [0, 1, 2]
     for h in hashes:
@@ -114,9 +114,9 @@ def test_reused_block_with_stale_hash_no_longer_matches():
 
     # other computes different KV into those blocks; a's prompt must not hit them
     compute(bm, other)
-    bm.free(other)
+    release(bm, other)
     again = make_seq(prompt)
-    bm.allocate(again)
+    admit(bm, again)
     assert again.num_computed_tokens == 0 and again.num_cached_tokens == 0
     check_invariants(bm, [again])
 
@@ -129,12 +129,12 @@ def test_hash_collision_is_caught_by_token_verification(monkeypatch):
     assert bm.hash_to_block == {12345: a.block_table[0]}
 
     b = make_seq([9, 9, 9, 9, 5, 6, 7, 8, 0])  # different first block, same hash
-    bm.allocate(b)
+    admit(bm, b)
     assert b.num_computed_tokens == 0
     assert not set(b.block_table) & set(a.block_table)
 
     c = make_seq([1, 2, 3, 4, 9, 9, 9, 9, 0])  # genuine first block, colliding second block
-    bm.allocate(c)
+    admit(bm, c)
     assert c.block_table[0] == a.block_table[0]
     assert c.num_computed_tokens == BS
     assert c.block_table[1] not in a.block_table
@@ -152,17 +152,17 @@ def test_chained_hash_collision_verifies_the_whole_prefix(monkeypatch):
     x = make_seq(head_x + tail + [0])  # tail's KV computed after head_x
     z = make_seq(head_z + [3, 3, 3, 3] + [0])
     for s in (x, z):
-        bm.allocate(s)
+        admit(bm, s)
         compute(bm, s)
     w = make_seq(head_z + tail + [0])  # tail after head_z: never computed
-    bm.allocate(w)
+    admit(bm, w)
     assert w.block_table[0] == z.block_table[0]
     assert x.block_table[1] not in w.block_table, "reused KV computed after another prefix"
     assert w.num_computed_tokens == BS
 
     # the same hole in its most direct form: one cached block hit at two positions
     y = make_seq(head_x + head_x + [0])
-    bm.allocate(y)
+    admit(bm, y)
     assert len(set(y.block_table)) == len(y.block_table)
     assert y.num_computed_tokens == BS
 
@@ -172,13 +172,13 @@ def test_corrupted_hash_map_does_not_produce_a_wrong_hit():
     a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0])
     z = make_seq([7, 7, 7, 7, 8, 8, 8, 8, 0])
     for s in (a, z):
-        bm.allocate(s)
+        admit(bm, s)
         compute(bm, s)
     # point a's second-block hash at z's second block (different tokens)
     h1 = bm.blocks[a.block_table[1]].hash
     bm.hash_to_block[h1] = z.block_table[1]
     b = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 1, 1])
-    bm.allocate(b)
+    admit(bm, b)
     assert b.block_table[0] == a.block_table[0]
     assert b.num_computed_tokens == BS, "only the verified first block may hit"
     assert z.block_table[1] not in b.block_table
@@ -189,25 +189,25 @@ def test_eviction_takes_least_recently_freed_first():
     a = make_seq(range(1, 9))  # blocks 0, 1
     b = make_seq(range(11, 19))  # blocks 2, 3
     for s in (a, b):
-        bm.allocate(s)
+        admit(bm, s)
         compute(bm, s)
     a_blocks, b_blocks = list(a.block_table), list(b.block_table)
     assert a_blocks == [0, 1] and b_blocks == [2, 3]
-    bm.free(a)
-    bm.free(b)
+    release(bm, a)
+    release(bm, b)
     # never-used blocks first, then a's (freed earlier) before b's; within a sequence its
     # tail goes before its head, so a cached prefix outlives the blocks that extend it
     assert list(bm.free_block_ids) == [4, 5, 1, 0, 3, 2]
 
     c = make_seq(range(100, 112))  # 3 blocks: 4, 5 and a's tail
-    bm.allocate(c)
+    admit(bm, c)
     assert c.block_table == [4, 5, 1]
     # a's head is still cached, its tail is gone; b is fully cached
     ha = [bm.blocks[0].hash]
     assert ha[0] == block_hash(list(range(1, 5)), -1) and bm.hash_to_block[ha[0]] == 0
     assert block_hash(list(range(5, 9)), ha[0]) not in bm.hash_to_block
     b2 = make_seq(list(range(11, 19)) + [0])
-    bm.allocate(b2)
+    admit(bm, b2)
     # b's blocks are hits; the one new block is the least recently freed: a's head
     assert b2.block_table == b_blocks + [0] and b2.num_computed_tokens == 2 * BS
     assert ha[0] not in bm.hash_to_block

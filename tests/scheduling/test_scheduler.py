@@ -70,7 +70,7 @@ def test_step_batch_covers_exactly_the_chunk():
         assert sb.start_positions == [start] and n == min(6, 14 - start)
         assert sb.token_ids == prompt[start : start + n]
         seen.extend(sb.token_ids)
-        h.sched.postprocess(step, [DUMMY if start + n < 14 else 5])
+        h.update(step, [DUMMY if start + n < 14 else 5])
     assert seen == prompt  # every prompt token computed once, in order, keys end at the chunk
 
 
@@ -83,11 +83,11 @@ def test_chunk_ending_just_before_the_last_prompt_token():
     assert is_prefill and s.num_computed_tokens == 16 and len(s) == 17
     step = h.sched.schedule()
     h.apply_batch(step)
-    assert step.seqs == [s] and step.batch.num_tokens == [1] and step.is_decode
+    assert step.seqs == [s] and step.batch.num_tokens == [1] and step.batch.is_decode
     assert step.batch.start_positions == [16]
     assert step.batch.token_ids == [17]
     h.compute(s, 16, 1)
-    h.sched.postprocess(step, [model(s.token_ids)])
+    h.update(step, [model(s.token_ids)])
     assert len(s.completion_token_ids) == 1
     h.run()
     h.check_done()
@@ -114,11 +114,11 @@ def test_a_mixed_step_decodes_while_a_new_prompt_is_computed():
     h.step()
     b = h.add([4, 5, 6, 7, 8], max_tokens=10)
     step = h.sched.schedule()
-    assert step.seqs == [a, b] and step.batch.num_decode_rows == 1 and not step.is_decode
+    assert step.seqs == [a, b] and step.batch.num_single_token_rows == 1 and not step.batch.is_decode
     assert step.batch.num_tokens == [1, 5] and step.batch.start_positions == [3, 0]
     assert step.batch.token_ids == [a.token_ids[-1], 4, 5, 6, 7, 8]
     h.apply_batch(step)
-    h.sched.postprocess(step, [h.compute(s, start, n) for s, start, n in h.rows(step)])
+    h.update(step, [h.compute(s, start, n) for s, start, n in h.rows(step)])
     assert len(a) == 5 and len(b) == 6
     h.run()
     h.check_done()
@@ -132,12 +132,12 @@ def test_decodes_take_the_budget_first_and_prompts_the_rest():
     step = h.sched.schedule()
     assert step.seqs == [a, b, c] and step.batch.num_tokens == [1, 1, 8]
     h.apply_batch(step)
-    h.sched.postprocess(step, [h.compute(s, start, n) for s, start, n in h.rows(step)])
+    h.update(step, [h.compute(s, start, n) for s, start, n in h.rows(step)])
     step = h.sched.schedule()  # c's prompt goes on after the decodes, from token 8
     assert step.seqs == [a, b, c] and step.batch.num_tokens == [1, 1, 8]
     assert step.batch.start_positions[2] == 8
     h.apply_batch(step)
-    h.sched.postprocess(step, [h.compute(s, start, n) for s, start, n in h.rows(step)])
+    h.update(step, [h.compute(s, start, n) for s, start, n in h.rows(step)])
     h.run()
     h.check_done()
 
@@ -153,15 +153,15 @@ def test_a_step_planned_ahead_admits_prompts_and_goes_on_with_chunks():
     assert second.seqs == [a, b] and second.batch.previous_sample_rows == [0]
     assert second.batch.num_tokens == [1, 7] and second.batch.start_positions == [3, 0]
     assert second.batch.token_ids == list(range(10, 17))
-    assert [r.row for r in second.batch.new_rows] == [b.row]
+    assert [r.slot for r in second.batch.new_slots] == [b.slot]
     h.apply_batch(second)
-    h.sched.postprocess(first, [h.compute(a, 0, 3)])
+    h.update(first, [h.compute(a, 0, 3)])
     third = h.sched.schedule_ahead(second)  # b goes on after its chunk in flight
     assert third.seqs == [a, b] and third.batch.start_positions == [4, 7]
     assert third.batch.num_tokens == [1, 5] and third.batch.previous_sample_rows == [0]
     h.apply_batch(third)
     for step in (second, third):
-        h.sched.postprocess(step, [h.compute(s, start, n) for s, start, n in h.rows(step)])
+        h.update(step, [h.compute(s, start, n) for s, start, n in h.rows(step)])
     assert len(a) == 6 and len(b) == 13
     h.run()
     h.check_done()
@@ -175,12 +175,12 @@ def test_decode_positions_are_zero_based_and_blocks_grow_at_boundaries():
         length = len(s)
         step = h.sched.schedule()
         h.apply_batch(step)
-        assert step.is_decode and step.seqs == [s]
+        assert step.batch.is_decode and step.seqs == [s]
         assert step.batch.start_positions == [length - 1]  # positions are 0-based
         assert step.batch.token_ids == [s.token_ids[-1]]
         assert len(s.block_table) == cdiv(length, 4)
         h.compute(s, length - 1, 1)
-        h.sched.postprocess(step, [model(s.token_ids)])
+        h.update(step, [model(s.token_ids)])
     h.run()
     h.check_done()
 

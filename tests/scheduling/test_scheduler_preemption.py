@@ -224,7 +224,7 @@ def test_async_loop_plans_ahead_and_loses_nothing(name, seed, mixed):
     h.check_done()
     if name != "block_size_16":  # 4 blocks: too tight to plan ahead
         assert planned_ahead > 0
-    assert sorted(h.sched.free_rows) == list(range(max_seqs))
+    assert sorted(h.sched.free_slots) == list(range(max_seqs))
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["split", "mixed"])
@@ -270,8 +270,8 @@ def test_abort_all_returns_every_block_and_row_and_the_scheduler_goes_on():
     assert h.sched.running and h.sched.waiting
     aborted = h.sched.abort_all()
     assert {s.seq_id for s in aborted} == {s.seq_id for s in doomed if s.finish_reason != "length"}
-    assert all(s.is_finished and s.block_table == [] and s.row == -1 for s in aborted)
-    assert h.sched.is_finished() and sorted(h.sched.free_rows) == [0, 1, 2, 3]
+    assert all(s.is_finished and s.block_table == [] and s.slot == -1 for s in aborted)
+    assert h.sched.is_finished() and sorted(h.sched.free_slots) == [0, 1, 2, 3]
     assert h.bm.num_free_blocks == 12 and all(b.ref_count == 0 for b in h.bm.blocks)
     h.seqs, h.finished = [], []
     for _ in range(6):
