@@ -192,7 +192,7 @@ class LLMEngine:
     def _start(self, prompts, sampling_params, stream: bool) -> list[Request]:
         if self.executor is None:
             raise RuntimeError("this engine has been shut down")
-        if self.output_processor.tracked:
+        if not self.is_finished():
             raise RuntimeError("a stream of this engine is still running: consume or close it first")
         return self.add_requests(prompts, sampling_params, stream)
 
@@ -212,7 +212,7 @@ class LLMEngine:
             raise
         finally:
             bar.close()
-            self.output_processor.tracked.clear()
+            self.output_processor.followed.clear()
         for request in requests:
             if not request.follows_text:
                 request.decode_all()

@@ -1,6 +1,7 @@
 """The one place a step's output becomes completion state: tokens, log-probabilities, text,
 and the decision that a completion ends."""
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 from nanovllm.engine.requests import Completion, Request
@@ -29,7 +30,8 @@ class StepResult:
 
     finished: list[Sequence]
     changed: list[Request]
-    """Requests a completion of which got a token this step, each once."""
+    """Requests whose text is followed (streamed, or searched for stop strings) and a
+    completion of which got a token this step, each once."""
     num_prefill_tokens: int = 0
     """Prompt tokens computed (or, after preemption, tokens computed again)."""
     num_decode_tokens: int = 0
@@ -38,42 +40,49 @@ class StepResult:
 
 class OutputProcessor:
     """Applies each step's output, in step order, to the scheduler's sequences and to the
-    completions of the requests being served (``tracked``, by sequence id, until it ends)."""
+    completions of the requests being served. Only completions that want something of each
+    token (log-probabilities, their text followed) are looked up (``followed``, by sequence
+    id, until they end)."""
 
     def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...], max_model_len: int):
         self.scheduler = scheduler
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-        self.tracked: dict[int, Completion] = {}
+        self.followed: dict[int, Completion] = {}
 
     def track(self, request: Request) -> None:
+        wants_prompt_logprobs = request.prompt_logprobs is not None
         for completion in request.completions:
-            self.tracked[completion.seq.seq_id] = completion
+            if completion.logprobs is not None or request.follows_text or wants_prompt_logprobs:
+                self.followed[completion.seq.seq_id] = completion
 
     def process(self, step: ScheduledStep, output: StepOutput) -> StepResult:
-        token_ids = output.sampled_token_ids
+        token_ids, seqs = output.sampled_token_ids, step.seqs
         rows = self.scheduler.update_from_output(step, token_ids)
+        followed = self.followed
         for request, entries in zip(step.batch.prompt_logprobs, output.prompt_logprobs or ()):
-            completion = self.tracked.get(step.seqs[request.row].seq_id)
+            completion = followed.get(seqs[request.row].seq_id)
             if completion is not None:
                 completion.request.add_prompt_logprobs(request.first_position, request.target_ids, entries)
         finished, changed = [], {}
+        eos, max_model_len = self.eos_token_ids, self.max_model_len
         for row in rows:
-            seq, token_id = step.seqs[row], token_ids[row]
-            end = check_stop(seq, token_id, self.eos_token_ids, self.max_model_len)
-            completion = self.tracked.get(seq.seq_id)
+            seq, token_id = seqs[row], token_ids[row]
+            end = check_stop(seq, token_id, eos, max_model_len)
+            completion = followed.get(seq.seq_id) if followed else None
             if completion is not None:
-                if output.logprobs is not None and completion.logprobs is not None:
+                if completion.logprobs is not None:
                     completion.add_logprobs(token_id, output.logprobs[row])
-                if completion.request.follows_text:
+                request = completion.request
+                if request.follows_text:
                     stop = completion.follow_text(ends=end is not None)
                     if stop is not None:  # a stop string ends it, whatever else just did
                         end = ("stop", stop)
-                changed[completion.request.request_id] = completion.request
+                    changed[request.request_id] = request
             if end is not None:
                 self.scheduler.finish(seq, *end)
-                self.tracked.pop(seq.seq_id, None)
+                followed.pop(seq.seq_id, None)
                 finished.append(seq)
         num_prefill = sum(step.batch.num_tokens[step.num_decodes :])
-        num_decode = sum(1 for row in rows if row < step.num_decodes)
+        num_decode = bisect_left(rows, step.num_decodes)  # rows ascend
         return StepResult(finished, list(changed.values()), num_prefill, num_decode)
