@@ -1,5 +1,6 @@
 """The orchestration layer: prompts in, completions out, in prompt order."""
 
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -27,6 +28,10 @@ class LLMEngine:
 
     Bad input (a bad prompt or sampling parameter anywhere in a call) makes the whole
     ``generate`` call raise ``ValueError`` before any work starts; the engine stays usable.
+    One call runs at a time: a ``generate``, ``stream`` or ``chat`` that starts while another
+    runs (in another thread, or a stream still being read) raises ``RuntimeError`` at once.
+    Whatever ends a call early (an error, Ctrl-C, a stream closed or dropped) leaves the engine
+    idle, every KV block free.
     """
 
     def __init__(self, config: Config, executor: Executor, tokenizer=None):
@@ -52,6 +57,8 @@ class LLMEngine:
         self.seq_ids = count()
         self.request_ids = count()
         self.async_scheduling = config.async_scheduling and executor.supports_async_scheduling
+        self.busy = threading.Lock()
+        """Held while a call runs its requests."""
 
     def get_tokenizer(self):
         """The model folder's Hugging Face tokenizer (None when it has no tokenizer files)."""
@@ -106,8 +113,16 @@ class LLMEngine:
         sampling_params: SamplingParams | list[SamplingParams] | None,
         stream: bool = False,
     ) -> list[Request]:
-        """Check every prompt and its parameters, then queue them all (or none). ``stream``:
-        their text is followed step by step."""
+        """Check every prompt and its parameters, then queue them all (or none), for
+        :meth:`step` to run. ``stream``: their text is followed step by step."""
+        requests = self._new_requests(prompts, sampling_params, stream)
+        self._queue(requests)
+        return requests
+
+    def _new_requests(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None, stream: bool
+    ) -> list[Request]:
+        """Every prompt as a checked request, none queued."""
         inputs = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -117,14 +132,13 @@ class LLMEngine:
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(inputs)} prompts")
         if not all(isinstance(p, SamplingParams) for p in sampling_params):
             raise ValueError("sampling_params must be SamplingParams or a list of them")
-        requests = [
-            self._new_request(i, p, sp, stream) for i, (p, sp) in enumerate(zip(inputs, sampling_params))
-        ]
+        return [self._new_request(i, p, sp, stream) for i, (p, sp) in enumerate(zip(inputs, sampling_params))]
+
+    def _queue(self, requests: list[Request]) -> None:
         for request in requests:
             for seq in request.seqs:
                 self.scheduler.add(seq)
             self.output_processor.track(request)
-        return requests
 
     def add_request(self, prompt, sampling_params: SamplingParams) -> Sequence:
         """Queue one prompt of one completion; returns its sequence (tools drive ``step``)."""
@@ -172,7 +186,7 @@ class LLMEngine:
         ``prompts``: a string, a list of token ids, ``{"prompt": ...}`` or
         ``{"prompt_token_ids": [...]}``, or a list of any of these.
         """
-        requests = self._start(prompts, sampling_params, stream=False)
+        requests = self._prepare(prompts, sampling_params, stream=False)
         for _ in self._run(requests, use_tqdm, stream=False):
             pass
         return [request.output() for request in requests]
@@ -184,21 +198,37 @@ class LLMEngine:
         use_tqdm: bool = False,
     ) -> Iterator[RequestOutput]:
         """Like :meth:`generate`, but yields a request's output (its text and tokens so far,
-        ``finished`` on the last one) each time a step adds to it. Closing the iterator early
-        (``break``, ``close()``) cancels the requests left and frees their KV blocks."""
-        requests = self._start(prompts, sampling_params, stream=True)
+        ``finished`` on the last one) each time a step adds to it. Bad input raises here; the
+        requests are queued when the iterator is first read. Closing the iterator early
+        (``break``, ``close()``, dropping it) cancels the requests left and frees their blocks."""
+        requests = self._prepare(prompts, sampling_params, stream=True)
         return self._run(requests, use_tqdm, stream=True)
 
-    def _start(self, prompts, sampling_params, stream: bool) -> list[Request]:
+    def _prepare(self, prompts, sampling_params, stream: bool) -> list[Request]:
         if self.executor is None:
             raise RuntimeError("this engine has been shut down")
-        if not self.is_finished():
-            raise RuntimeError("a stream of this engine is still running: consume or close it first")
-        return self.add_requests(prompts, sampling_params, stream)
+        return self._new_requests(prompts, sampling_params, stream)
 
     def _run(self, requests: list[Request], use_tqdm: bool, stream: bool) -> Iterator[RequestOutput]:
+        """Queue ``requests`` and run steps until every queued sequence ends, holding the engine."""
+        if not self.busy.acquire(blocking=False):
+            raise RuntimeError(
+                "this engine is already running a call (a generate in another thread, or a stream "
+                "not yet read to the end or closed): one call at a time"
+            )
+        try:
+            if not self.is_finished():
+                raise RuntimeError(
+                    "requests queued with add_request are still running: step() them to the end"
+                )
+            yield from self._serve(requests, use_tqdm, stream)
+        finally:
+            self.busy.release()
+
+    def _serve(self, requests: list[Request], use_tqdm: bool, stream: bool) -> Iterator[RequestOutput]:
         bar = ProgressBar(sum(len(r.completions) for r in requests), enabled=use_tqdm)
         try:
+            self._queue(requests)
             while not self.is_finished():
                 start = time.perf_counter()
                 r = self.step()

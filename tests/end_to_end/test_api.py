@@ -164,7 +164,7 @@ def test_closing_a_stream_early_cancels_the_rest(llm):
     stream = llm.stream([PROMPT, PROMPT[:9]], greedy(30))
     first = next(stream)
     assert not first.finished
-    with pytest.raises(RuntimeError, match="still running"):
+    with pytest.raises(RuntimeError, match="one call at a time"):
         llm.generate([PROMPT], greedy(), use_tqdm=False)
     stream.close()
     assert llm.is_finished()
