@@ -4,6 +4,7 @@ what the machine offers comes in as a :class:`Platform` (probed on the execution
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
@@ -21,10 +22,33 @@ if TYPE_CHECKING:
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Model dtypes by name, and the bytes of one element."""
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+"""vLLM's other names for them (torch dtypes are taken by name too)."""
+REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+"""config.json fields that transformers would otherwise fill with a default the weights may
+not fit."""
 KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 """8-bit KV cache dtypes (float8 e4m3) by name."""
 ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
 CPU_KV_CACHE_BYTES = 2 * 2**30
+
+
+def read_hf_config(model: str) -> PretrainedConfig:
+    """The folder's Hugging Face config; ``ValueError`` naming the file when transformers cannot
+    read it or it lacks a field the model's shape needs."""
+    from transformers import AutoConfig
+
+    path = os.path.join(model, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        hf_config = AutoConfig.from_pretrained(model)
+    except Exception as e:  # transformers fails on a bad field in its own ways (AttributeError, ...)
+        raise ValueError(f"{path} cannot be read: {type(e).__name__}: {e}") from e
+    missing = [name for name in REQUIRED_HF_FIELDS if name not in raw]
+    if missing:
+        raise ValueError(f"{path} lacks {missing}: transformers would fill them with defaults")
+    return hf_config
 
 
 @dataclass(frozen=True)
@@ -107,9 +131,7 @@ class Config:
             raise FileNotFoundError(f"model folder {self.model!r} does not exist")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise FileNotFoundError(f"{self.model!r} has no config.json: not a Hugging Face model folder")
-        from transformers import AutoConfig
-
-        resolve("hf_config", AutoConfig.from_pretrained(self.model))
+        resolve("hf_config", read_hf_config(self.model))
         resolve("architecture", resolve_architecture(self.hf_config))
         self._check_numbers()
         resolve("max_model_len", min(self.max_model_len, context_len(self.hf_config)))
@@ -211,9 +233,12 @@ class Config:
 
     def _resolve_dtype(self) -> str:
         if self.dtype != "auto":
-            if self.dtype not in DTYPE_BYTES:
-                raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
-            return self.dtype
+            name = self.dtype if isinstance(self.dtype, str) else str(self.dtype).removeprefix("torch.")
+            name = DTYPE_ALIASES.get(name, name)
+            if name not in DTYPE_BYTES:
+                choices = sorted([*DTYPE_BYTES, *DTYPE_ALIASES])
+                raise ValueError(f"dtype must be 'auto' or one of {choices}, got {self.dtype!r}")
+            return name
         dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
         name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         if name in DTYPE_BYTES:
@@ -236,6 +261,11 @@ class Config:
                 raise ValueError(f"flash-attn needs kvcache_block_size to be a multiple of 256, got {bs}")
         if name == "triton" and bs is not None and bs < 16:
             raise ValueError(f"the Triton backend needs kvcache_block_size >= 16, got {bs}")
+        if name == "triton" and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' needs CUDA (on CPU: 'torch', or the Triton interpreter, "
+                "TRITON_INTERPRET=1, for kernel development)"
+            )
         return name
 
     def _resolve_kv_cache_dtype(self) -> str:

@@ -8,6 +8,16 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_FLOAT_FIELDS = (
+    "temperature",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "top_p",
+    "min_p",
+)
+
+
 def _token_id_list(name: str, value) -> list[int]:
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
         raise ValueError(f"{name} must be a list of int token ids, got {value!r}")
@@ -72,6 +82,10 @@ class SamplingParams:
         self._check_lists()
 
     def _check_numbers(self) -> None:
+        for name in _FLOAT_FIELDS:  # a string would fail later in a comparison, naming nothing
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
         if not 0 <= self.temperature < math.inf:  # also rejects NaN
@@ -101,14 +115,16 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer >= 0 or None, got {value!r}")
 
     def _check_lists(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is None:
-            self.stop = []
-        else:
-            self.stop = list(self.stop) if hasattr(self.stop, "__iter__") else self.stop
-            if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif hasattr(stop, "__iter__") and not isinstance(stop, (bytes, dict)):
+            stop = list(stop)
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = stop
         self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_id_list("allowed_token_ids", self.allowed_token_ids)

@@ -1,6 +1,8 @@
 """The configuration: every check runs before a model or worker exists; the registry refuses
 what we do not implement, by name."""
 
+import json
+
 import pytest
 import torch
 
@@ -130,3 +132,42 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path, no_executor):
     write_config(str(tmp_path), **SMALL, architectures=["GPT2LMHeadModel"])
     with pytest.raises(ValueError, match="supported: .*LlamaForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
         LLM(str(tmp_path), device="cpu")
+
+
+@pytest.mark.parametrize(
+    "dtype, resolved",
+    [("half", "float16"), ("float", "float32"), (torch.float16, "float16"), (torch.bfloat16, "bfloat16")],
+)
+def test_vllm_dtype_names_are_accepted(tmp_path, dtype, resolved):
+    write_config(str(tmp_path), **SMALL)
+    assert Config(str(tmp_path), device="cpu", dtype=dtype).dtype == resolved
+
+
+def test_a_config_missing_a_shape_field_is_refused_by_name(tmp_path):
+    write_config(str(tmp_path), **SMALL)
+    path = tmp_path / "config.json"
+    raw = json.loads(path.read_text())
+    del raw["num_attention_heads"]  # transformers would use 32 heads
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"config\.json lacks \['num_attention_heads'\]"):
+        Config(str(tmp_path), device="cpu")
+
+
+def test_a_config_transformers_cannot_read_is_named(tmp_path):
+    write_config(str(tmp_path), **SMALL)
+    path = tmp_path / "config.json"
+    raw = json.loads(path.read_text())
+    raw["torch_dtype"] = "float13"
+    raw.pop("dtype", None)
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"config\.json cannot be read: .*float13"):
+        Config(str(tmp_path), device="cpu", dtype="float32")
+
+
+def test_the_triton_backend_on_cpu_needs_the_interpreter(tmp_path, monkeypatch):
+    write_config(str(tmp_path), **SMALL)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention_backend='triton' needs CUDA"):
+        Config(str(tmp_path), device="cpu", attention_backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert Config(str(tmp_path), device="cpu", attention_backend="triton").attention_backend == "triton"

@@ -78,6 +78,14 @@ def test_valid_values_are_accepted(kwargs):
         ("min_p", math.nan),
         ("seed", "42"),
         ("seed", 1.5),
+        ("temperature", "0.5"),
+        ("top_p", "0.9"),
+        ("repetition_penalty", None),
+        ("presence_penalty", True),
+        ("stop", ""),
+        ("stop", [""]),
+        ("stop", ["ok", 3]),
+        ("stop", 3),
     ],
 )
 def test_invalid_values_raise_a_useful_value_error(field, value):

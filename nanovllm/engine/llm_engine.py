@@ -78,23 +78,34 @@ class LLMEngine:
         return self.tokenizer.encode(prompt.text)
 
     def _validate(self, i: int, token_ids: list[int], params: SamplingParams) -> None:
+        max_model_len, vocab_size = self.config.max_model_len, self.vocab_size
         if not token_ids:
             raise ValueError(f"prompt {i} is empty")
-        if len(token_ids) > self.config.max_model_len:
+        if len(token_ids) >= max_model_len:
             raise ValueError(
-                f"prompt {i} has {len(token_ids)} tokens, more than max_model_len={self.config.max_model_len}"
+                f"prompt {i} has {len(token_ids)} tokens: with a token to generate, more than "
+                f"max_model_len={max_model_len}"
             )
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(
-                f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
-            )
-        bad = [t for t in params.token_ids_in_params if t >= self.vocab_size]
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        where = f"sampling params of prompt {i}"
+        bad = [t for t in params.token_ids_in_params if t >= vocab_size]
         if bad:
-            raise ValueError(
-                f"sampling params of prompt {i} name token ids outside the vocabulary "
-                f"[0, {self.vocab_size}): {bad[:5]}"
+            raise ValueError(f"{where} name token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab_size:
+                raise ValueError(f"{where}: {name}={k} is more than the vocabulary's {vocab_size} tokens")
+        if params.allowed_token_ids and params.min_tokens:
+            held = set(params.stop_token_ids) | (
+                set() if params.ignore_eos else set(self.config.eos_token_ids)
             )
+            if held.issuperset(params.allowed_token_ids):
+                raise ValueError(
+                    f"{where} leave no token to sample: every allowed token is an EOS or stop token id, "
+                    f"which min_tokens={params.min_tokens} holds back"
+                )
 
     def _new_request(self, i: int, prompt: PromptInput, params: SamplingParams, stream: bool) -> Request:
         """Prompt ``i`` as a checked request with its ``n`` sequences, not yet queued."""

@@ -7,7 +7,7 @@ from torch import nn
 from nanovllm.kernels.gate_up_silu import gate_up_silu, gate_up_silu_fits, gate_up_silu_ref
 from nanovllm.kernels.silu_and_mul import silu_and_mul
 from nanovllm.layers.linear import ColumnParallelLinear
-from nanovllm.layers.parallel import TPGroup
+from nanovllm.layers.parallel import TPGroup, copy_weight, shard_of
 
 
 class GateUpSwiGLU(ColumnParallelLinear):
@@ -23,7 +23,8 @@ class GateUpSwiGLU(ColumnParallelLinear):
         super().__init__(input_size, 2 * intermediate_size, False, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        param.data[shard_id::2].copy_(loaded.chunk(self.tp.size, 0)[self.tp.rank])
+        rows = param.data[shard_id::2]
+        copy_weight(rows, shard_of(loaded, 0, self.tp, rows.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda:

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.parallel import TPGroup, divide
+from nanovllm.layers.parallel import TPGroup, copy_weight, divide, shard_of
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -19,7 +19,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        param.data.copy_(loaded.narrow(0, self.vocab_start, self.num_per_rank))
+        copy_weight(param.data, shard_of(loaded, 0, self.tp, self.num_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

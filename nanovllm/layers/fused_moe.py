@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
-from nanovllm.layers.parallel import TPGroup, divide
+from nanovllm.layers.parallel import TPGroup, copy_weight, divide, shard_of
 
 
 class FusedMoE(nn.Module):
@@ -25,11 +25,12 @@ class FusedMoE(nn.Module):
         """``shard_id``: (expert, 0 for gate / 1 for up / None for down)."""
         expert, half = shard_id
         if half is None:
-            param.data[expert].copy_(loaded.chunk(self.tp.size, 1)[self.tp.rank])
+            copy_weight(param.data[expert], shard_of(loaded, 1, self.tp, param.shape[2]))
             return
         inter = param.shape[1] // 2
-        rows = loaded.chunk(self.tp.size, 0)[self.tp.rank]
-        param.data[expert, half * inter : (half + 1) * inter].copy_(rows)
+        copy_weight(
+            param.data[expert, half * inter : (half + 1) * inter], shard_of(loaded, 0, self.tp, inter)
+        )
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         moe = fused_moe if x.is_cuda else fused_moe_ref

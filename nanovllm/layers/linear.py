@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.parallel import TPGroup, divide
+from nanovllm.layers.parallel import TPGroup, copy_weight, divide, shard_of
 
 
 class LinearBase(nn.Module):
@@ -23,8 +23,8 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if self.tp_dim is not None and not (self.tp_dim == 1 and param.dim() == 1):
-            loaded = loaded.chunk(self.tp.size, self.tp_dim)[self.tp.rank]
-        param.data.copy_(loaded)
+            loaded = shard_of(loaded, self.tp_dim, self.tp, param.shape[self.tp_dim])
+        copy_weight(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -62,7 +62,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        param.data.narrow(0, offset, size).copy_(loaded.chunk(self.tp.size, 0)[self.tp.rank])
+        copy_weight(param.data.narrow(0, offset, size), shard_of(loaded, 0, self.tp, size))
 
 
 class RowParallelLinear(LinearBase):

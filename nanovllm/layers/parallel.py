@@ -39,3 +39,21 @@ def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:
         raise ValueError(f"{numerator} is not divisible by tensor_parallel_size {denominator}")
     return numerator // denominator
+
+
+def shard_of(loaded: torch.Tensor, dim: int, tp: TPGroup, size: int) -> torch.Tensor:
+    """This rank's ``size`` entries along ``dim`` of a whole checkpoint tensor; ``ValueError``
+    unless the tensor holds exactly ``size`` entries per rank there."""
+    if loaded.dim() <= dim or loaded.shape[dim] != size * tp.size:
+        raise ValueError(f"has shape {tuple(loaded.shape)}, expected {size * tp.size} along dimension {dim}")
+    return loaded.narrow(dim, tp.rank * size, size)
+
+
+def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` without broadcasting: ``ValueError`` unless the shapes are equal and a
+    floating-point parameter gets a floating-point tensor."""
+    if src.shape != dst.shape:
+        raise ValueError(f"has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    if dst.is_floating_point() and not src.is_floating_point():
+        raise ValueError(f"has dtype {src.dtype}, expected a floating-point tensor")
+    dst.copy_(src)

@@ -85,6 +85,25 @@ def test_bad_prompts_fail_whole_call_before_work(llm, prompts, match):
     assert len(out[0]["token_ids"]) == 4
 
 
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        (SamplingParams(logprobs=513), "logprobs=513 is more than the vocabulary's 512 tokens"),
+        (SamplingParams(prompt_logprobs=10**6), "prompt_logprobs=1000000 is more than the vocabulary"),
+        (SamplingParams(allowed_token_ids=[2], min_tokens=3), "leave no token to sample"),
+        (SamplingParams(allowed_token_ids=[5, 7], stop_token_ids=[5, 7], min_tokens=1), "leave no token"),
+    ],
+)
+def test_sampling_params_the_model_cannot_serve_fail_before_work(llm, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[1, 2, 3], [4, 5]], [GREEDY, params], use_tqdm=False)
+    assert llm.is_finished()  # nothing was queued
+    # the same constraints are fine where they leave a token: EOS ignored, or a token not held back
+    ok = SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[2, 9], min_tokens=3)
+    out = llm.generate([[1, 2, 3]], ok, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids[:3] == [9, 9, 9]
+
+
 def test_sampling_params_list_length(llm):
     with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
         llm.generate([[1], [2], [3]], [GREEDY, GREEDY], use_tqdm=False)
