@@ -8,8 +8,9 @@ class CompletionOutput:
     """One completion of a request (``n`` of them per request).
 
     ``finish_reason`` is "stop" (an EOS id, a stop token id or a stop string), "length"
-    (``max_tokens`` or ``max_model_len``) or None while it runs; ``stop_reason`` is the stop
-    token id or stop string that ended it (None for EOS or length).
+    (``max_tokens`` or ``max_model_len``), "abort" (cancelled, or its constraints left no token
+    to sample) or None while it runs; ``stop_reason`` is the stop token id or stop string that
+    ended it (None otherwise).
     """
 
     index: int

@@ -112,10 +112,10 @@ class LLMEngine:
         token_ids = self._to_token_ids(prompt)
         self._validate(i, token_ids, params)
         samples = [sample_params(params, k, self.config.max_model_len) for k in range(params.n)]
-        seqs = [Sequence(next(self.seq_ids), token_ids, p) for p in samples]
+        request_id = str(next(self.request_ids))
+        seqs = [Sequence(next(self.seq_ids), token_ids, p, request_id) for p in samples]
         for seq in seqs[1:]:
             seq.prompt_source = seqs[0]
-        request_id = str(next(self.request_ids))
         return Request(request_id, prompt, token_ids, params, seqs, self.tokenizer, stream)
 
     def add_requests(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from nanovllm.engine.requests import Completion, Request
 from nanovllm.scheduling import ScheduledStep, Scheduler, Sequence, StepOutput
+from nanovllm.scheduling.step import NO_TOKEN
 
 
 def check_stop(
@@ -68,10 +69,18 @@ class OutputProcessor:
         eos, max_model_len = self.eos_token_ids, self.max_model_len
         for row in rows:
             seq, token_id = seqs[row], token_ids[row]
-            end = check_stop(seq, token_id, eos, max_model_len)
+            if token_id >= 0:
+                end = check_stop(seq, token_id, eos, max_model_len)
+            elif token_id == NO_TOKEN:
+                end = ("abort", None)  # its constraints leave no token: it cannot go on
+            else:
+                raise RuntimeError(
+                    f"request {seq.request_id}: the model's logits are NaN or infinite (broken weights, "
+                    "or activations overflowing the dtype); the call is aborted"
+                )
             completion = followed.get(seq.seq_id) if followed else None
             if completion is not None:
-                if completion.logprobs is not None:
+                if completion.logprobs is not None and token_id >= 0:
                     completion.add_logprobs(token_id, output.logprobs[row])
                 request = completion.request
                 if request.follows_text:

@@ -103,7 +103,9 @@ def _penalize(logits: torch.Tensor, lt: LogitsTensors) -> torch.Tensor:
 def record_samples(lt: LogitsTensors, sampled: torch.Tensor) -> None:
     """Write the rows' sampled tokens into the history, for the next steps' penalties."""
     if lt.record_batch is not None:
-        values = sampled[lt.record_batch].to(lt.history.dtype)
+        # a row with no token (a negative marker) ends its sequence; a step planned ahead may
+        # still read the entry, which must stay a valid token id
+        values = sampled[lt.record_batch].clamp(min=0).to(lt.history.dtype)
         lt.history.index_put_((lt.record_slots, lt.record_pos), values)
 
 

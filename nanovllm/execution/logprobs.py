@@ -45,7 +45,9 @@ def token_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int) -> Logpr
     """``k`` (the largest top-k any row of the batch asks for) may be 0: the sampled token only."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], sampled[:, None][:, :0])
-    return LogprobTensors(logprobs.gather(1, sampled[:, None]).squeeze(1), top_ids, top_logprobs)
+    # a row with no token (a negative marker) reads token 0's: its sequence ends without it
+    chosen = logprobs.gather(1, sampled.clamp(min=0)[:, None]).squeeze(1)
+    return LogprobTensors(chosen, top_ids, top_logprobs)
 
 
 def prompt_logprobs(

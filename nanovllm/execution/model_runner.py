@@ -171,9 +171,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         logprobs = None
         if self.tp.rank == 0:
-            self.last_sampled = self.sampler(logits, inputs.sampling)  # leaves the raw logits as they are
+            sampled = self.sampler(logits, inputs.sampling)  # leaves the raw logits as they are
             if inputs.max_logprobs is not None:
-                logprobs = token_logprobs(logits, self.last_sampled, inputs.max_logprobs)
+                logprobs = token_logprobs(logits, sampled, inputs.max_logprobs)
+            # a step planned ahead embeds these: a row without a token (a negative marker, its
+            # sequence ends) feeds token 0 instead
+            self.last_sampled = sampled.clamp(min=0)
         if self.tp.size > 1 and self.config.async_scheduling:
             # every rank keeps the samples: the next step, planned ahead, may take its inputs there
             if self.tp.rank != 0:
@@ -182,7 +185,7 @@ class ModelRunner:
         if self.tp.rank != 0:
             return None
         prompt_lengths = [len(r.target_ids) for r in batch.prompt_logprobs]
-        return PendingOutput(self.last_sampled, logprobs, prompt_lp, prompt_lengths)
+        return PendingOutput(sampled, logprobs, prompt_lp, prompt_lengths)
 
     def run(self, batch: StepBatch) -> StepOutput | None:
         """One step, waiting for its output (rank 0) — what TP workers and tools call."""

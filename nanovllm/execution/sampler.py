@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from nanovllm.execution.logits_processors import LogitsTensors, process_logits, record_samples
-from nanovllm.kernels.sample import sample_tokens, sample_tokens_ref
+from nanovllm.kernels.sample import greedy_tokens, sample_tokens, sample_tokens_ref
 from nanovllm.scheduling.step import NewSlot
 
 _U64, _I64_SPAN = 2**64 - 1, 2**64
@@ -84,7 +84,8 @@ class SamplingSlots:
 
 class Sampler(nn.Module):
     """Filters the logits when a row asks for it, then draws with the sampling kernel (CUDA)
-    or its torch reference (CPU), from one uniform per row."""
+    or its torch reference (CPU), from one uniform per row. A row with no token to give gets
+    :data:`~nanovllm.kernels.sample.NO_TOKEN` or :data:`~nanovllm.kernels.sample.NOT_FINITE`."""
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         if st.processing is None:
@@ -95,7 +96,7 @@ class Sampler(nn.Module):
 
     def _sample(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         if st.all_greedy:
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         if st.top_ks is not None or st.top_ps is not None or st.min_ps is not None:
             scaled = logits.float() / st.temperatures.clamp(min=1e-6).unsqueeze(1)
             logits = logits.float().masked_fill(self._removed(scaled, st), float("-inf"))

@@ -7,6 +7,10 @@ softmax mass, so a row is read by many programs at once; the second combines a r
 finds the chunk that holds the draw and scans that chunk alone. No vocabulary-sized tensor is
 written, where sorting or Gumbel noise would write and read one.
 
+A row that has no token to give is marked instead of sampled: :data:`NO_TOKEN` when every logit
+is -inf (its request's constraints left nothing), :data:`NOT_FINITE` when a logit is NaN or
++inf (the model's output is broken).
+
 A seeded row (``steps[r] >= 0``) takes its uniform from a hash of ``(seeds[r], steps[r])``
 instead, so its draw depends on nothing else in the batch: murmur3's 32-bit finaliser
 applied in turn to the step, the seed's high and its low word.
@@ -16,6 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+NO_TOKEN = -1
+NOT_FINITE = -2
+_NOT_FINITE = tl.constexpr(NOT_FINITE)
+_NO_TOKEN = tl.constexpr(NO_TOKEN)
 _LOG2E = tl.constexpr(1.4426950408889634)
 _CHUNK = 4096  # logits per program of the first kernel; the second scans one chunk
 _NUM_WARPS = 8
@@ -58,7 +66,7 @@ def sample_tokens_ref(
     with ``seeds`` and ``steps`` (int64), rows whose step is >= 0 use the seeded uniform."""
     if seeds is not None:
         uniforms = torch.where(steps >= 0, seeded_uniforms_ref(seeds, steps), uniforms.float())
-    greedy = logits.argmax(dim=-1)
+    row_max, greedy = logits.float().max(dim=-1)
     inv_t = 1.0 / temperatures.float().clamp(min=1e-6)
     probs = (logits.float() * inv_t.unsqueeze(1)).softmax(dim=-1)
     cdf = probs.cumsum(dim=-1)
@@ -68,7 +76,21 @@ def sample_tokens_ref(
     vocab = torch.arange(logits.shape[-1], device=logits.device)
     last_positive = torch.where(probs > 0, vocab, -1).amax(dim=-1)
     drawn = torch.minimum(drawn, last_positive)
-    return torch.where(temperatures == 0, greedy, drawn)
+    return _mark_rows_without_a_token(torch.where(temperatures == 0, greedy, drawn), row_max)
+
+
+def _mark_rows_without_a_token(tokens: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """``tokens`` with :data:`NO_TOKEN` / :data:`NOT_FINITE` where a row's largest logit
+    (NaN when the row holds one) says it has no token to give."""
+    tokens = torch.where(row_max == float("-inf"), NO_TOKEN, tokens)
+    return torch.where(row_max.isnan() | (row_max == float("inf")), NOT_FINITE, tokens)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's most likely token (the first of equals), rows without a token marked as
+    :func:`sample_tokens` marks them."""
+    row_max, tokens = logits.max(dim=-1)
+    return _mark_rows_without_a_token(tokens, row_max)
 
 
 @triton.jit
@@ -100,6 +122,9 @@ def _chunk_stats_kernel(
     scale = _LOG2E / tl.maximum(tl.load(temps_ptr + row), 1e-6)
     chunk_max = tl.max(x, 0)
     first = tl.min(tl.where(x == chunk_max, offs, vocab_size), 0)
+    # NaN compares false everywhere (the max may skip it): flagged in the argmax
+    not_finite = tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), 0)
+    first = tl.where(not_finite > 0, _NOT_FINITE, first)
     mass = tl.sum(tl.where(x > float("-inf"), tl.exp2((x - chunk_max) * scale), 0.0), 0)
     out = row * num_chunks + chunk
     tl.store(max_ptr + out, chunk_max)
@@ -159,6 +184,8 @@ def _sample_kernel(
         p = tl.exp2((x - row_max) * scale)
         drawn = tl.min(tl.where(tl.cumsum(p, 0) + below > target, offs, vocab_size), 0)
         token = tl.minimum(drawn, tl.max(tl.where(p > 0, offs, -1), 0))
+    token = tl.where(row_max == float("-inf"), _NO_TOKEN, token)
+    token = tl.where(tl.min(chunk_argmax, 0) < 0, _NOT_FINITE, token)
     tl.store(out_ptr + row, token.to(out_ptr.dtype.element_ty))
 
 

@@ -199,7 +199,8 @@ class Scheduler:
 
     def update_from_output(self, step: ScheduledStep, token_ids: list[int]) -> list[int]:
         """Record the step's computed KV and append its sampled tokens; returns the rows whose
-        sequence got a new token (not a prompt chunk's, nor a sequence that ended meanwhile)."""
+        sequence was due a new token (not a prompt chunk's, nor a sequence that ended meanwhile),
+        whether or not the row had one to give."""
         rows = []
         for row, (seq, n) in enumerate(zip(step.seqs, step.batch.num_tokens)):
             if seq.status == SequenceStatus.FINISHED:
@@ -208,7 +209,8 @@ class Scheduler:
             self.block_manager.commit_computed(seq)
             if seq.num_computed_tokens < len(seq):
                 continue  # a prompt chunk: no token is sampled yet
-            seq.token_ids.append(token_ids[row])
+            if token_ids[row] >= 0:  # a negative id marks a row that had no token to give
+                seq.token_ids.append(token_ids[row])
             rows.append(row)
         return rows
 

@@ -37,10 +37,15 @@ class Sequence:
         "finish_reason",
         "stop_reason",
         "prompt_source",
+        "request_id",
     )
 
-    def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self, seq_id: int, token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> None:
         self.seq_id = seq_id
+        self.request_id = request_id
+        """The request this completion belongs to, for messages."""
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)

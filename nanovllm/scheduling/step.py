@@ -100,10 +100,17 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+NO_TOKEN = -1
+"""A sampled id meaning: the row's request allows no token here (every logit masked)."""
+NOT_FINITE = -2
+"""A sampled id meaning: the model's logits for the row are NaN or infinite."""
+
+
 @dataclass(slots=True)
 class StepOutput:
-    """What a step returns: one sampled token per row (a prompt chunk's is meaningless), and
-    log-probabilities where the batch asked for them."""
+    """What a step returns: one sampled token per row (a prompt chunk's is meaningless, a
+    negative one is :data:`NO_TOKEN` or :data:`NOT_FINITE`), and log-probabilities where the
+    batch asked for them."""
 
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None

@@ -111,3 +111,52 @@ def test_two_threads_generating_never_corrupt_outputs(llm, qwen3_dir, prompts, h
     assert all(r == want for r in results)
     assert all("one call at a time" in str(e) for e in errors)
     assert_idle_and_correct(llm, qwen3_dir, prompts, hf_reference)
+
+
+def broken_logits(monkeypatch, llm: LLM, on_call: int, row: int, value: float) -> None:
+    """The model's logits for ``row`` of its ``on_call``-th step become ``value`` throughout."""
+    runner = llm.executor.runner
+    compute, calls = runner.model.compute_logits, [0]
+
+    def patched(hidden):
+        logits = compute(hidden)
+        calls[0] += 1
+        if calls[0] == on_call and row < logits.shape[0]:
+            logits[row] = value
+        return logits
+
+    monkeypatch.setattr(runner.model, "compute_logits", patched)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_row_with_no_token_to_sample_ends_its_request_alone(
+    qwen3_dir, prompts, hf_reference, monkeypatch, async_scheduling
+):
+    llm = LLM(qwen3_dir, **OPTIONS, async_scheduling=async_scheduling)
+    try:
+        want = hf_reference(qwen3_dir, prompts[:2], 12)
+        with monkeypatch.context() as m:
+            broken_logits(m, llm, on_call=4, row=0, value=float("-inf"))  # a decode step of both
+            outs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+        reasons = [o.outputs[0].finish_reason for o in outs]
+        assert sorted(reasons) == ["abort", "length"]
+        for out, tokens in zip(outs, want):
+            got = out.outputs[0].token_ids
+            if out.outputs[0].finish_reason == "abort":  # no token for the masked row, none after
+                assert 0 < len(got) < 12 and got == tokens[: len(got)]
+            else:
+                assert got == tokens
+        assert_idle_and_correct(llm, qwen3_dir, prompts, hf_reference)
+    finally:
+        llm.exit()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_logits_raise_naming_the_request(
+    llm, qwen3_dir, prompts, hf_reference, monkeypatch, value
+):
+    with monkeypatch.context() as m:
+        broken_logits(m, llm, on_call=3, row=1, value=value)
+        with pytest.raises(RuntimeError, match=r"request \d+: the model's logits are NaN or infinite"):
+            llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+    assert_idle_and_correct(llm, qwen3_dir, prompts, hf_reference)

@@ -108,3 +108,31 @@ def test_seeded_uniforms_match_the_murmur3_finaliser():
         bits = seed & (2**64 - 1)
         h = fmix(fmix(fmix(step ^ 0x9E3779B9) ^ (bits >> 32)) ^ (bits & 0xFFFFFFFF))
         assert u == (h >> 8) * 2.0**-24
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy, on NaN and inf
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_rows_without_a_token_are_marked(temperature):
+    """Every logit masked: NO_TOKEN; a NaN or +inf anywhere in a row: NOT_FINITE; never an id."""
+    vocab = 5000
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(0))
+    logits[1] = float("-inf")
+    logits[2, 4321] = float("nan")
+    logits[3, 7] = float("inf")
+    logits[4, :4096] = float("-inf")  # masked but for the second chunk: still sampled
+    temps, uniforms = torch.full((5,), temperature), torch.full((5,), 0.5)
+    logits, temps, uniforms = logits.to(DEVICE), temps.to(DEVICE), uniforms.to(DEVICE)
+    want = [None, kernel.NO_TOKEN, kernel.NOT_FINITE, kernel.NOT_FINITE, None]
+    outs = [kernel.sample_tokens(logits, temps, uniforms), kernel.sample_tokens_ref(logits, temps, uniforms)]
+    if temperature == 0:
+        outs.append(kernel.greedy_tokens(logits))
+    for out in outs:
+        out = out.tolist()
+        assert [w if w is None else out[i] for i, w in enumerate(want)] == want
+        assert 0 <= out[0] < vocab and 4096 <= out[4] < vocab
+
+
+def test_the_markers_are_the_step_outputs():
+    from nanovllm.scheduling.step import NO_TOKEN, NOT_FINITE
+
+    assert (kernel.NO_TOKEN, kernel.NOT_FINITE) == (NO_TOKEN, NOT_FINITE)
