@@ -91,15 +91,12 @@ class Completion:
     """One of a request's ``n`` completions: its sequence, and the text and log-probabilities
     gathered for it as its tokens arrive."""
 
-    __slots__ = ("request", "index", "seq", "detokenizer", "text", "num_followed", "logprobs",
-                 "cumulative_logprob")  # fmt: skip
+    __slots__ = ("request", "index", "seq", "detokenizer", "text", "logprobs", "cumulative_logprob")
 
     def __init__(self, request: "Request", index: int, seq: Sequence) -> None:
         self.request, self.index, self.seq = request, index, seq
         self.detokenizer: IncrementalDetokenizer | None = None
         self.text = ""
-        self.num_followed = 0
-        """Completion tokens already detokenized by :meth:`follow_text`."""
         self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
 
@@ -113,7 +110,6 @@ class Completion:
         cut there), if any. The text of a completion that ``ends`` with them is decoded whole,
         so it ends the same as :meth:`decode_whole` would (a trailing partial character included)."""
         seq, request = self.seq, self.request
-        self.num_followed = seq.num_completion_tokens
         if request.tokenizer is None:
             return None
         params = request.params
