@@ -124,14 +124,14 @@ class Scheduler:
         return from_previous, decodes, continuing
 
     def _reserve_ahead(self, from_previous: list[tuple[Sequence, int]], decodes: list[Sequence]) -> bool:
-        """Slots for every decode while a step is in flight; False when a block is short."""
+        """KV room for every decode while a step is in flight; False when a block is short."""
         bm = self.block_manager
         in_flight = [seq for seq, _ in from_previous]
         return bm.make_room_for_all(in_flight, lookahead=1) and bm.make_room_for_all(decodes)
 
     def _make_room_preempting(self, decodes: list[Sequence]) -> list[Sequence]:
-        """A slot for each decode; when a block is short, the newest running sequence is
-        preempted (possibly the one asking). Returns the decodes still running."""
+        """KV room for each decode's token; when a block is short, the newest running sequence
+        is preempted (possibly the one asking). Returns the decodes still running."""
         kept, make_room = [], self.block_manager.make_room
         for seq in decodes:
             if seq.status != SequenceStatus.RUNNING:
