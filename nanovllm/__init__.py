@@ -4,7 +4,7 @@
 (say the torch-free ``nanovllm.scheduling``) can be imported alone.
 """
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt"]
 
 
 def __getattr__(name: str):
@@ -20,4 +20,8 @@ def __getattr__(name: str):
         from nanovllm import outputs
 
         return getattr(outputs, name)
+    if name in ("TextPrompt", "TokensPrompt"):
+        from nanovllm import inputs
+
+        return getattr(inputs, name)
     raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

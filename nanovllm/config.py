@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from nanovllm import engine_args
 from nanovllm.models.registry import (
     Architecture,
     attention_dims,
@@ -89,6 +90,8 @@ class Config:
     kv_cache_memory_gb: float | None = None
     """KV-cache size in GiB; the default is 2 GiB on CPU and the free share of
     ``gpu_memory_utilization`` on GPU."""
+    kv_cache_memory_bytes: int | None = None
+    """The same in bytes (vLLM's name); set one of the two."""
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     """"auto" stores K/V in ``dtype``; "fp8" (or "fp8_e4m3") in float8 e4m3 with a scale of
@@ -108,6 +111,12 @@ class Config:
     load_format: str = "auto"
     """"auto" loads ``*.safetensors``; "dummy" fills weights with random values."""
     seed: int = 0
+    tokenizer: str | None = None
+    """The tokenizer's folder (default: the model's)."""
+    tokenizer_mode: str = "auto"
+    """"auto": the fast tokenizer where there is one; "slow": the Python one."""
+    skip_tokenizer_init: bool = False
+    """Load no tokenizer: prompts are token ids, completions have no text."""
     platform: Platform = field(default=CPU_ONLY, repr=False, compare=False)
     hf_config: PretrainedConfig = field(init=False, repr=False, compare=False)
     architecture: Architecture = field(init=False, repr=False)
@@ -115,8 +124,9 @@ class Config:
 
     @classmethod
     def from_options(cls, model: str, platform: Platform, **options) -> Config:
-        """``Config(model, **options)`` on ``platform``, with a clear error for an option we do
-        not know."""
+        """``Config(model, **options)`` on ``platform``; vLLM's argument names are read as
+        :mod:`~nanovllm.engine_args` says, and an option we do not know is a clear error."""
+        options = engine_args.to_options(options)
         known = {f.name for f in fields(cls) if f.init} - {"model", "platform"}
         unknown = set(options) - known
         if unknown:
@@ -178,6 +188,8 @@ class Config:
             return self.num_kvcache_blocks
         if self.kv_cache_memory_gb is not None:
             return self.kv_blocks_for(self.kv_cache_memory_gb * 2**30)
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_blocks_for(self.kv_cache_memory_bytes)
         if self.device == "cpu":
             return self.kv_blocks_for(CPU_KV_CACHE_BYTES)
         return None
@@ -199,6 +211,12 @@ class Config:
         bs = self.kvcache_block_size
         if bs is not None and (not isinstance(bs, int) or bs < 1 or bs & (bs - 1)):
             raise ValueError(f"kvcache_block_size must be a power of two, got {bs}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("kv_cache_memory_gb and kv_cache_memory_bytes size the same cache: set one")
+        if self.tokenizer_mode not in ("auto", "slow"):
+            raise ValueError(f"tokenizer_mode must be 'auto' or 'slow', got {self.tokenizer_mode!r}")
+        if self.tokenizer is not None and not os.path.isdir(os.path.expanduser(self.tokenizer)):
+            raise FileNotFoundError(f"tokenizer folder {self.tokenizer!r} does not exist")
         if not self.worker_timeout_s > 0:
             raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -2,10 +2,14 @@
 
 import os
 import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
 
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.execution.platform import probe_platform
+from nanovllm.execution.platform import probe_platform, torch_dtype
 from nanovllm.execution.tp_executor import TPExecutor
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -13,13 +17,25 @@ from nanovllm.sampling_params import SamplingParams
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(model: str):
-    """The folder's Hugging Face tokenizer, or None when it has no tokenizer files."""
-    if not any(os.path.exists(os.path.join(model, f)) for f in TOKENIZER_FILES):
+def load_tokenizer(config: Config):
+    """The Hugging Face tokenizer ``config`` names (its own folder or the model's), or None when
+    it skips one or the folder has no tokenizer files."""
+    path = os.path.expanduser(config.tokenizer or config.model)
+    if config.skip_tokenizer_init or not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model, use_fast=True)
+    return AutoTokenizer.from_pretrained(path, use_fast=config.tokenizer_mode == "auto")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """vLLM's ``llm.llm_engine.model_config``, the fields scripts read."""
+
+    model: str
+    max_model_len: int
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
 
 
 class LLM(LLMEngine):
@@ -31,7 +47,7 @@ class LLM(LLMEngine):
 
     def __init__(self, model: str, **options):
         config = Config.from_options(model, probe_platform(), **options)
-        tokenizer = load_tokenizer(config.model)
+        tokenizer = load_tokenizer(config)
         executor = TPExecutor(config)
         try:
             super().__init__(config, executor, tokenizer)
@@ -50,6 +66,7 @@ class LLM(LLMEngine):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages)
         or to a list of them, rendered by the tokenizer's chat template (or ``chat_template``)."""
@@ -75,7 +92,18 @@ class LLM(LLMEngine):
             # the template writes any special tokens itself
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    @property
+    def llm_engine(self) -> "LLM":
+        """This engine (vLLM scripts reach the engine's configuration through it)."""
+        return self
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's settings under vLLM's names."""
+        config = self.config
+        return ModelConfig(config.model, config.max_model_len, config.hf_config, torch_dtype(config.dtype))
 
     def exit(self) -> None:
         super().exit()

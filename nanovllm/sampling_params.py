@@ -50,8 +50,11 @@ class SamplingParams:
     - ``prompt_logprobs``: the same for every prompt token after the first.
     - ``logit_bias``: ``{token_id: bias}`` added to the logits before sampling.
     - ``allowed_token_ids``: only these tokens can be sampled.
-    - ``skip_special_tokens``: leave special tokens out of the text; ``detokenize=False``
-      leaves the text empty (token ids only).
+    - ``skip_special_tokens``: leave special tokens out of the text;
+      ``spaces_between_special_tokens``: put spaces between special tokens in it (tokenizers that
+      do so); ``detokenize=False`` leaves the text empty (token ids only).
+    - ``truncate_prompt_tokens``: keep only the prompt's last ``k`` tokens (-1: as many as
+      ``max_model_len`` leaves room for).
     """
 
     temperature: float = 1.0
@@ -75,6 +78,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
     detokenize: bool = True
 
     def __post_init__(self) -> None:
@@ -109,6 +114,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, -1 or None, got {k!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):

@@ -10,18 +10,19 @@ class IncrementalDetokenizer:
     character ("\\ufffd") waits for the next token.
     """
 
-    __slots__ = ("tokenizer", "skip_special_tokens", "token_ids", "text", "prefix", "read")
+    __slots__ = ("tokenizer", "options", "token_ids", "text", "prefix", "read")
 
-    def __init__(self, tokenizer, skip_special_tokens: bool):
+    def __init__(self, tokenizer, **decode_options):
+        """``decode_options``: the tokenizer's ``decode`` keywords (``skip_special_tokens`` ...)."""
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.options = decode_options
         self.token_ids: list[int] = []
         self.text = ""
         self.prefix = 0  # the window starts here; tokens before ``read`` are already in ``text``
         self.read = 0
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(token_ids, **self.options)
 
     def add(self, token_ids: list[int]) -> str:
         """Take the completion's new tokens; returns the text they added (maybe none yet)."""

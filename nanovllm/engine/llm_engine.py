@@ -110,6 +110,9 @@ class LLMEngine:
     def _new_request(self, i: int, prompt: PromptInput, params: SamplingParams, stream: bool) -> Request:
         """Prompt ``i`` as a checked request with its ``n`` sequences, not yet queued."""
         token_ids = self._to_token_ids(prompt)
+        if params.truncate_prompt_tokens is not None:
+            k = params.truncate_prompt_tokens
+            token_ids = token_ids[-(self.config.max_model_len - 1 if k == -1 else k) :]
         self._validate(i, token_ids, params)
         samples = [sample_params(params, k, self.config.max_model_len) for k in range(params.n)]
         request_id = str(next(self.request_ids))
@@ -191,13 +194,15 @@ class LLMEngine:
         prompts,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """Complete every prompt; returns one :class:`RequestOutput` per prompt, in order.
 
         ``prompts``: a string, a list of token ids, ``{"prompt": ...}`` or
-        ``{"prompt_token_ids": [...]}``, or a list of any of these.
+        ``{"prompt_token_ids": [...]}`` (vLLM's ``TextPrompt`` / ``TokensPrompt``), or a list of
+        any of these. ``lora_request``: None (LoRA adapters are not implemented).
         """
-        requests = self._prepare(prompts, sampling_params, stream=False)
+        requests = self._prepare(prompts, sampling_params, stream=False, lora_request=lora_request)
         for _ in self._run(requests, use_tqdm, stream=False):
             pass
         return [request.output() for request in requests]
@@ -207,17 +212,20 @@ class LLMEngine:
         prompts,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request=None,
     ) -> Iterator[RequestOutput]:
         """Like :meth:`generate`, but yields a request's output (its text and tokens so far,
         ``finished`` on the last one) each time a step adds to it. Bad input raises here; the
         requests are queued when the iterator is first read. Closing the iterator early
         (``break``, ``close()``, dropping it) cancels the requests left and frees their blocks."""
-        requests = self._prepare(prompts, sampling_params, stream=True)
+        requests = self._prepare(prompts, sampling_params, stream=True, lora_request=lora_request)
         return self._run(requests, use_tqdm, stream=True)
 
-    def _prepare(self, prompts, sampling_params, stream: bool) -> list[Request]:
+    def _prepare(self, prompts, sampling_params, stream: bool, lora_request) -> list[Request]:
         if self.executor is None:
             raise RuntimeError("this engine has been shut down")
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: LoRA adapters are not implemented")
         return self._new_requests(prompts, sampling_params, stream)
 
     def _run(self, requests: list[Request], use_tqdm: bool, stream: bool) -> Iterator[RequestOutput]:

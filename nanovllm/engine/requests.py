@@ -114,7 +114,7 @@ class Completion:
             return None
         params = request.params
         if self.detokenizer is None:
-            self.detokenizer = IncrementalDetokenizer(request.tokenizer, params.skip_special_tokens)
+            self.detokenizer = IncrementalDetokenizer(request.tokenizer, **request.decode_options)
         detok = self.detokenizer
         new = detok.add(seq.completion_token_ids[len(detok.token_ids) :])
         hit = find_stop(detok.text, len(new), params.stop) if new and params.stop else None
@@ -127,9 +127,7 @@ class Completion:
 
     def decode_whole(self) -> str:
         request = self.request
-        return request.tokenizer.decode(
-            self.seq.completion_token_ids, skip_special_tokens=request.params.skip_special_tokens
-        )
+        return request.tokenizer.decode(self.seq.completion_token_ids, **request.decode_options)
 
     def output(self) -> CompletionOutput:
         seq, logprobs = self.seq, self.logprobs
@@ -160,6 +158,14 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         if params.prompt_logprobs is not None:  # none for the first prompt token, as in vLLM
             self.prompt_logprobs = [None] * len(token_ids)
+
+    @property
+    def decode_options(self) -> dict:
+        params = self.params
+        return {
+            "skip_special_tokens": params.skip_special_tokens,
+            "spaces_between_special_tokens": params.spaces_between_special_tokens,
+        }
 
     @property
     def seqs(self) -> list[Sequence]:
