@@ -4,7 +4,15 @@
 (say the torch-free ``nanovllm.scheduling``) can be imported alone.
 """
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "TextPrompt",
+    "TokensPrompt",
+]
 
 
 def __getattr__(name: str):
@@ -16,7 +24,7 @@ def __getattr__(name: str):
         from nanovllm.sampling_params import SamplingParams
 
         return SamplingParams
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "Logprob"):
         from nanovllm import outputs
 
         return getattr(outputs, name)

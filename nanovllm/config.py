@@ -111,6 +111,8 @@ class Config:
     load_format: str = "auto"
     """"auto" loads ``*.safetensors``; "dummy" fills weights with random values."""
     seed: int = 0
+    """Seeds unseeded sampling, so that an engine with the same options repeats its tokens for
+    the same calls, and the random weights of ``load_format="dummy"``."""
     tokenizer: str | None = None
     """The tokenizer's folder (default: the model's)."""
     tokenizer_mode: str = "auto"

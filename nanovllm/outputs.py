@@ -4,6 +4,16 @@ from dataclasses import dataclass
 
 
 @dataclass(slots=True)
+class Logprob:
+    """vLLM's: a token's log-probability, its rank in the distribution (1: the most likely),
+    and its text (None without detokenization)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """One completion of a request (``n`` of them per request).
 
@@ -17,7 +27,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -38,7 +48,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
 
     def __getitem__(self, key: str):

@@ -14,7 +14,7 @@ def check_stop(
 ) -> tuple[str, int | None] | None:
     """Whether ``seq`` ends on its newest token ``token_id``, as ``(finish_reason,
     stop_reason)``, in vLLM's order: EOS, a stop token id, then its length. (Stop strings are
-    found in the text, after this.)"""
+    found in the text after this, which then leaves out a terminating EOS or stop id's text.)"""
     params = seq.params
     if not params.ignore_eos and token_id in eos_token_ids:
         return "stop", None
@@ -84,7 +84,8 @@ class OutputProcessor:
                     completion.add_logprobs(token_id, output.logprobs[row])
                 request = completion.request
                 if request.follows_text:
-                    stop = completion.follow_text(ends=end is not None)
+                    stop_terminated = end is not None and end[0] == "stop"
+                    stop = completion.follow_text(end is not None, stop_terminated)
                     if stop is not None:  # a stop string ends it, whatever else just did
                         end = ("stop", stop)
                     changed[request.request_id] = request

@@ -4,7 +4,7 @@ whose text is detokenized as tokens arrive."""
 from dataclasses import dataclass, replace
 
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.scheduling import Sequence, TokenLogprobs
 
@@ -80,10 +80,17 @@ def sample_params(params: SamplingParams, index: int, max_model_len: int) -> Sam
     return replace(params, **changes) if changes else params
 
 
-def _logprob_entry(token_id: int, lp: TokenLogprobs, k: int) -> dict[int, float]:
-    """``{token id: log-probability}`` of the top ``k`` and of the token chosen."""
-    entry = dict(zip(lp.top_ids[:k], lp.top_logprobs[:k]))
-    entry[token_id] = lp.logprob
+def _logprob_entry(token_id: int, lp: TokenLogprobs, k: int, tokenizer) -> dict[int, Logprob]:
+    """vLLM's ``{token id: Logprob}`` of the top ``k`` and of the token chosen."""
+
+    def text(token: int) -> str | None:
+        return None if tokenizer is None else tokenizer.decode([token])
+
+    entry = {
+        token: Logprob(value, rank, text(token))
+        for rank, (token, value) in enumerate(zip(lp.top_ids[:k], lp.top_logprobs[:k]), start=1)
+    }
+    entry[token_id] = Logprob(lp.logprob, lp.rank, text(token_id))
     return entry
 
 
@@ -97,18 +104,20 @@ class Completion:
         self.request, self.index, self.seq = request, index, seq
         self.detokenizer: IncrementalDetokenizer | None = None
         self.text = ""
-        self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
 
     def add_logprobs(self, token_id: int, lp: TokenLogprobs) -> None:
         """Record the log-probabilities of the newest token."""
-        self.logprobs.append(_logprob_entry(token_id, lp, self.request.params.logprobs))
+        request = self.request
+        self.logprobs.append(_logprob_entry(token_id, lp, request.params.logprobs, request.tokenizer))
         self.cumulative_logprob += lp.logprob
 
-    def follow_text(self, ends: bool) -> str | None:
+    def follow_text(self, ends: bool, stop_terminated: bool = False) -> str | None:
         """Detokenize the new tokens; returns the stop string the text now contains (the text is
         cut there), if any. The text of a completion that ``ends`` with them is decoded whole,
-        so it ends the same as :meth:`decode_whole` would (a trailing partial character included)."""
+        so it ends the same as :meth:`decode_whole` would (a trailing partial character included).
+        ``stop_terminated``: the newest token is the EOS or stop token id that ends it."""
         seq, request = self.seq, self.request
         if request.tokenizer is None:
             return None
@@ -116,18 +125,29 @@ class Completion:
         if self.detokenizer is None:
             self.detokenizer = IncrementalDetokenizer(request.tokenizer, **request.decode_options)
         detok = self.detokenizer
-        new = detok.add(seq.completion_token_ids[len(detok.token_ids) :])
-        hit = find_stop(detok.text, len(new), params.stop) if new and params.stop else None
+        token_ids = self._text_token_ids(stop_terminated)
+        new = detok.add(token_ids[len(detok.token_ids) :])
+        hit = None
+        if new and params.stop and seq.num_completion_tokens > params.min_tokens:  # vLLM's rule
+            hit = find_stop(detok.text, len(new), params.stop)
         if hit is not None:
             start, stop = hit
             self.text = detok.text[: start + len(stop) if params.include_stop_str_in_output else start]
             return stop
-        self.text = self.decode_whole() if ends else detok.text
+        self.text = self.decode_whole(stop_terminated) if ends else detok.text
         return None
 
-    def decode_whole(self) -> str:
+    def _text_token_ids(self, stop_terminated: bool) -> list[int]:
+        """The tokens the text shows: as vLLM, all but an EOS or stop token id that ended the
+        completion, unless ``include_stop_str_in_output`` (its id stays in ``token_ids``)."""
+        token_ids = self.seq.completion_token_ids
+        if stop_terminated and not self.request.params.include_stop_str_in_output:
+            return token_ids[:-1]
+        return token_ids
+
+    def decode_whole(self, stop_terminated: bool) -> str:
         request = self.request
-        return request.tokenizer.decode(self.seq.completion_token_ids, **request.decode_options)
+        return request.tokenizer.decode(self._text_token_ids(stop_terminated), **request.decode_options)
 
     def output(self) -> CompletionOutput:
         seq, logprobs = self.seq, self.logprobs
@@ -155,7 +175,7 @@ class Request:
         self.tokenizer = tokenizer if params.detokenize else None
         self.follows_text = stream or bool(params.stop)
         self.completions = [Completion(self, i, seq) for i, seq in enumerate(seqs)]
-        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         if params.prompt_logprobs is not None:  # none for the first prompt token, as in vLLM
             self.prompt_logprobs = [None] * len(token_ids)
 
@@ -177,7 +197,7 @@ class Request:
         k = self.params.prompt_logprobs
         for index, token_id, lp in zip(range(first, first + len(entries)), target_ids, entries):
             if self.prompt_logprobs[index] is None:
-                self.prompt_logprobs[index] = _logprob_entry(token_id, lp, k)
+                self.prompt_logprobs[index] = _logprob_entry(token_id, lp, k, self.tokenizer)
 
     @property
     def finished(self) -> bool:
@@ -187,7 +207,9 @@ class Request:
         """The whole text of every completion at once (when nothing followed it step by step)."""
         if self.tokenizer is not None:
             for completion in self.completions:
-                completion.text = completion.decode_whole()
+                seq = completion.seq  # ended by EOS or a stop token id: "stop" without a string
+                stop_terminated = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+                completion.text = completion.decode_whole(stop_terminated)
 
     def output(self) -> RequestOutput:
         return RequestOutput(

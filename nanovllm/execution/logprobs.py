@@ -18,6 +18,8 @@ class LogprobTensors:
 
     sampled: torch.Tensor
     """``[rows]``: the log-probability of each row's sampled token (or prompt token)."""
+    ranks: torch.Tensor
+    """``[rows]``: its rank in the row's distribution, 1 for the most likely."""
     top_ids: torch.Tensor
     """``[rows, k]``: each row's ``k`` most likely token ids, most likely first."""
     top_logprobs: torch.Tensor
@@ -25,12 +27,14 @@ class LogprobTensors:
 
     def to_host(self) -> "LogprobTensors":
         """A copy in pinned host memory, started without waiting for the device."""
-        return LogprobTensors(*map(to_host, (self.sampled, self.top_ids, self.top_logprobs)))
+        return LogprobTensors(*map(to_host, self.columns()))
+
+    def columns(self) -> tuple[torch.Tensor, ...]:
+        return self.sampled, self.ranks, self.top_ids, self.top_logprobs
 
     def tolist(self) -> list[TokenLogprobs]:
         """One entry per row."""
-        columns = (self.sampled.tolist(), self.top_ids.tolist(), self.top_logprobs.tolist())
-        return [TokenLogprobs(*entry) for entry in zip(*columns)]
+        return [TokenLogprobs(*entry) for entry in zip(*(c.tolist() for c in self.columns()))]
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -46,8 +50,9 @@ def token_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int) -> Logpr
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], sampled[:, None][:, :0])
     # a row with no token (a negative marker) reads token 0's: its sequence ends without it
-    chosen = logprobs.gather(1, sampled.clamp(min=0)[:, None]).squeeze(1)
-    return LogprobTensors(chosen, top_ids, top_logprobs)
+    chosen = logprobs.gather(1, sampled.clamp(min=0)[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    return LogprobTensors(chosen.squeeze(1), ranks, top_ids, top_logprobs)
 
 
 def prompt_logprobs(
@@ -72,5 +77,4 @@ def prompt_logprobs(
             parts.append(token_logprobs(logits, targets[i : i + _PROMPT_CHUNK], k))
     if not parts:
         return None
-    columns = zip(*((p.sampled, p.top_ids, p.top_logprobs) for p in parts))
-    return LogprobTensors(*(torch.cat(column) for column in columns))
+    return LogprobTensors(*(torch.cat(column) for column in zip(*(p.columns() for p in parts))))

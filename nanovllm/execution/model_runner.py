@@ -100,7 +100,8 @@ class ModelRunner:
         self.model = build_model(config, self.tp, self.device)
         if self.device.type == "cuda" and not config.enforce_eager:
             compile_elementwise_ops(self.model)
-        self.sampler = Sampler()
+        # the engine's seed makes unseeded sampling repeat, engine after engine (as vLLM's)
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.inputs = StepInputBuilder(
             config, self.device, self.model.uses_rope_lengths, samples=self.tp.rank == 0
         )

@@ -84,8 +84,13 @@ class SamplingSlots:
 
 class Sampler(nn.Module):
     """Filters the logits when a row asks for it, then draws with the sampling kernel (CUDA)
-    or its torch reference (CPU), from one uniform per row. A row with no token to give gets
+    or its torch reference (CPU), from one uniform per row: from ``generator`` (torch's
+    default when None), or from the row's own seed. A row with no token to give gets
     :data:`~nanovllm.kernels.sample.NO_TOKEN` or :data:`~nanovllm.kernels.sample.NOT_FINITE`."""
+
+    def __init__(self, generator: torch.Generator | None = None):
+        super().__init__()
+        self.generator = generator
 
     def forward(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         if st.processing is None:
@@ -100,7 +105,7 @@ class Sampler(nn.Module):
         if st.top_ks is not None or st.top_ps is not None or st.min_ps is not None:
             scaled = logits.float() / st.temperatures.clamp(min=1e-6).unsqueeze(1)
             logits = logits.float().masked_fill(self._removed(scaled, st), float("-inf"))
-        uniforms = torch.rand(logits.shape[0], device=logits.device)
+        uniforms = torch.rand(logits.shape[0], device=logits.device, generator=self.generator)
         sample = sample_tokens if logits.is_cuda else sample_tokens_ref
         return sample(logits, st.temperatures, uniforms, st.seeds, st.steps)
 

@@ -92,10 +92,12 @@ class ScheduledStep:
 
 @dataclass(slots=True)
 class TokenLogprobs:
-    """The log-probability of one chosen (or prompt) token, and the ids and log-probabilities
-    of the most likely tokens at its position, most likely first."""
+    """The log-probability of one chosen (or prompt) token and its rank (1: the most likely),
+    and the ids and log-probabilities of the most likely tokens at its position, most likely
+    first."""
 
     logprob: float
+    rank: int
     top_ids: list[int]
     top_logprobs: list[float]
 

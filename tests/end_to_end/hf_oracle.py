@@ -82,16 +82,18 @@ def hf_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor
 
 
 def check_prompt_logprobs(hf_model, prompt: list[int], got: list, k: int) -> None:
-    """vLLM's layout: None for the first token, then ``{token: logprob}`` with the top ``k``."""
+    """vLLM's layout: None for the first token, then ``{token: Logprob}`` with the top ``k``,
+    ranks counted in the whole vocabulary (1: the most likely)."""
     with torch.no_grad():
         want = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
     assert len(got) == len(prompt) and got[0] is None
     for t in range(1, len(prompt)):
         top = want[t - 1].topk(k)
         assert set(got[t]) == set(top.indices.tolist()) | {prompt[t]}
-        values = torch.tensor([got[t][i] for i in top.indices.tolist()] + [got[t][prompt[t]]])
+        values = torch.tensor([got[t][i].logprob for i in top.indices.tolist()] + [got[t][prompt[t]].logprob])
         expected = torch.cat([top.values, want[t - 1, prompt[t] : prompt[t] + 1]])
         torch.testing.assert_close(values, expected, atol=1e-4, rtol=0)
+        assert got[t][prompt[t]].rank == int((want[t - 1] > want[t - 1, prompt[t]]).sum()) + 1
 
 
 def hf_logits(model_dir: str, prompt: list[int], dtype: torch.dtype, device: str) -> torch.Tensor:

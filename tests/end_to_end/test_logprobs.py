@@ -26,6 +26,7 @@ def test_logprobs_match_hf(qwen3_dir, hf_model, async_scheduling, temperature, k
     ]
     with LLM(qwen3_dir, **OPTIONS, async_scheduling=async_scheduling) as llm:
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        tokenizer = llm.tokenizer
     for prompt, out, p in zip(PROMPTS, outs, params):
         for completion in out.outputs:
             want = hf_logprobs(hf_model, prompt, completion.token_ids)
@@ -34,8 +35,14 @@ def test_logprobs_match_hf(qwen3_dir, hf_model, async_scheduling, temperature, k
             for t, (entry, token) in enumerate(zip(completion.logprobs, completion.token_ids)):
                 top = want[t].topk(p.logprobs)
                 assert set(entry) == set(top.indices.tolist()) | {token}
-                got = torch.tensor([entry[i] for i in top.indices.tolist()] + [entry[token]])
+                got = torch.tensor([entry[i].logprob for i in top.indices.tolist()] + [entry[token].logprob])
                 torch.testing.assert_close(got, torch.cat([top.values, chosen[t : t + 1]]), atol=1e-4, rtol=0)
+                # vLLM's ranks: 1 for the most likely; the chosen token's among the whole vocabulary
+                assert [entry[i].rank for i in top.indices.tolist() if i != token] == [
+                    r for r, i in enumerate(top.indices.tolist(), start=1) if i != token
+                ]
+                assert entry[token].rank == int((want[t] > want[t, token]).sum()) + 1
+                assert entry[token].decoded_token == tokenizer.decode([token])
             assert completion.cumulative_logprob == pytest.approx(chosen.sum().item(), abs=1e-3)
 
 

@@ -119,4 +119,4 @@ def test_tp2_sampler_features_and_logprobs(qwen3_dir, prompts):
             want = hf_logprobs(model, prompt, completion.token_ids)
             for t, (entry, token) in enumerate(zip(completion.logprobs, completion.token_ids)):
                 assert set(entry) == set(want[t].topk(p.logprobs).indices.tolist()) | {token}
-                assert all(abs(v - want[t, i].item()) < 1e-4 for i, v in entry.items())
+                assert all(abs(v.logprob - want[t, i].item()) < 1e-4 for i, v in entry.items())

@@ -130,3 +130,63 @@ def test_spaces_between_special_tokens_reaches_the_tokenizer(qwen3_dir, stream):
             assert keywords == {"skip_special_tokens": False, "spaces_between_special_tokens": False}
     finally:
         llm.exit()
+
+
+def test_the_engine_seed_makes_unseeded_sampling_repeat(qwen3_dir, prompts):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def sample(seed: int) -> list[list[int]]:
+        llm = LLM(qwen3_dir, device="cpu", dtype="float32", seed=seed)
+        try:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.exit()
+
+    first = sample(3)
+    assert sample(3) == first
+    assert sample(4) != first
+
+
+def test_eos_and_stop_ids_come_before_stop_strings_and_leave_their_text_out(qwen3_dir):
+    """As vLLM: a completion ended by EOS or a stop token id reports that (not a stop string
+    equal to its text), and its text leaves that token's text out unless
+    include_stop_str_in_output."""
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32")
+    tok = llm.tokenizer
+    try:
+        prompt = [7, 300, 42, 19, 250, 3, 88]
+        full = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        # a token whose text appears nowhere before it, so that only its id can end the completion
+        cut = next(
+            j + 1
+            for j in range(2, len(full))
+            if full[j] not in full[:j] and tok.decode([full[j]]).strip()
+            and tok.decode([full[j]]) not in tok.decode(full[:j + 1])[: -len(tok.decode([full[j]]))]
+        )  # fmt: skip
+        stop_id, stop_text = full[cut - 1], tok.decode([full[cut - 1]])
+        for include in (False, True):
+            params = SamplingParams(
+                temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_id], stop=[stop_text],
+                include_stop_str_in_output=include,
+            )  # fmt: skip
+            for out in (
+                llm.generate([prompt], params, use_tqdm=False)[0].outputs[0],
+                [o for o in llm.stream([prompt], params)][-1].outputs[0],
+            ):
+                assert out.token_ids == full[:cut] and out.finish_reason == "stop"
+                # included, the id's text is searched for stop strings too, and holds one
+                assert out.stop_reason == (stop_text if include else stop_id)
+                assert out.text == tok.decode(full[: cut if include else cut - 1])
+        eos = llm.config.eos_token_ids[0]
+        eos_text = tok.decode([eos])
+        params = SamplingParams(
+            temperature=0, max_tokens=8, allowed_token_ids=[eos], stop=[eos_text], skip_special_tokens=False
+        )
+        for out in (
+            llm.generate([prompt], params, use_tqdm=False)[0].outputs[0],
+            [o for o in llm.stream([prompt], params)][-1].outputs[0],
+        ):
+            assert out.token_ids == [eos] and out.finish_reason == "stop" and out.stop_reason is None
+            assert out.text == ""
+    finally:
+        llm.exit()
