@@ -50,6 +50,9 @@ class SamplingParams:
     - ``prompt_logprobs``: the same for every prompt token after the first.
     - ``logit_bias``: ``{token_id: bias}`` added to the logits before sampling.
     - ``allowed_token_ids``: only these tokens can be sampled.
+    - ``bad_words``: no completion contains one of these words' tokens (a word's last token is
+      held back where the tokens before it end the completion so far), with or without a
+      leading space; the engine tokenizes them into ``bad_words_token_ids``.
     - ``skip_special_tokens``: leave special tokens out of the text;
       ``spaces_between_special_tokens``: put spaces between special tokens in it (tokenizers that
       do so); ``detokenize=False`` leaves the text empty (token ids only).
@@ -77,6 +80,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
@@ -134,6 +139,23 @@ class SamplingParams:
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop = stop
         self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() for w in words
+            ):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+            self.bad_words = list(words)
+        if self.bad_words_token_ids is not None:
+            if isinstance(self.bad_words_token_ids, (str, bytes)) or not all(
+                ids for ids in self.bad_words_token_ids
+            ):
+                raise ValueError(
+                    f"bad_words_token_ids must be non-empty token id lists, got {self.bad_words_token_ids!r}"
+                )
+            self.bad_words_token_ids = [
+                _token_id_list("bad_words_token_ids", ids) for ids in self.bad_words_token_ids
+            ]
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_id_list("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
@@ -158,6 +180,12 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
     @property
+    def needs_token_history(self) -> bool:
+        """Whether processing the logits reads the tokens seen so far (so the executor needs them)."""
+        return self.penalizes_repeats or any(len(ids) > 1 for ids in self.bad_words_token_ids or ())
+
+    @property
     def token_ids_in_params(self) -> list[int]:
         """Every token id these parameters name, for the engine to check against the vocabulary."""
-        return self.stop_token_ids + (self.allowed_token_ids or []) + list(self.logit_bias or ())
+        bad = [t for ids in self.bad_words_token_ids or () for t in ids]
+        return self.stop_token_ids + (self.allowed_token_ids or []) + list(self.logit_bias or ()) + bad

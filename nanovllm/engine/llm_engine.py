@@ -4,14 +4,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import count
 
 from nanovllm.config import Config
 from nanovllm.engine.executor import Executor, PendingOutput
 from nanovllm.engine.output_processor import OutputProcessor, StepResult
 from nanovllm.engine.progress import ProgressBar
-from nanovllm.engine.requests import PromptInput, Request, parse_prompts, sample_params
+from nanovllm.engine.requests import PromptInput, Request, parse_prompts, sample_params, tokenize_bad_words
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.scheduling import BlockManager, ScheduledStep, Scheduler, Sequence
@@ -110,6 +110,11 @@ class LLMEngine:
     def _new_request(self, i: int, prompt: PromptInput, params: SamplingParams, stream: bool) -> Request:
         """Prompt ``i`` as a checked request with its ``n`` sequences, not yet queued."""
         token_ids = self._to_token_ids(prompt)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {i}: bad_words need a tokenizer; pass bad_words_token_ids")
+            ids = tokenize_bad_words(self.tokenizer, params.bad_words) + (params.bad_words_token_ids or [])
+            params = replace(params, bad_words=None, bad_words_token_ids=ids)
         if params.truncate_prompt_tokens is not None:
             k = params.truncate_prompt_tokens
             token_ids = token_ids[-(self.config.max_model_len - 1 if k == -1 else k) :]

@@ -67,6 +67,19 @@ def parse_prompts(prompts) -> list[PromptInput]:
     return [parse_prompt(i, p) for i, p in enumerate(prompts)]
 
 
+def tokenize_bad_words(tokenizer, words: list[str]) -> list[list[int]]:
+    """The token sequences of ``words``, as vLLM reads them: each word as it stands at the start
+    of a text and, where that tokenizes differently (not merely longer), after a space."""
+    sequences = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return sequences
+
+
 def sample_params(params: SamplingParams, index: int, max_model_len: int) -> SamplingParams:
     """The parameters of completion ``index``: its own seed (``n`` seeded samples must differ)
     and an explicit ``max_tokens``."""

@@ -1,8 +1,8 @@
-"""Per-request logits processing before sampling: allowed tokens, logit bias, min_tokens and
-repetition / frequency / presence penalties, batched over the rows that use each.
+"""Per-request logits processing before sampling: allowed tokens, logit bias, min_tokens, bad
+words and repetition / frequency / presence penalties, batched over the rows that use each.
 
-Penalties need each row's tokens, which a step planned ahead may only have on the device, so
-slots that penalise repeats keep their token ids by position in a device table: the prompt
+Penalties and bad words need each row's tokens, which a step planned ahead may only have on the
+device, so slots that read them keep their token ids by position in a device table: the prompt
 (and, after preemption, the tokens generated before) is written when a sequence takes the
 slot, every sampled token at its position right after sampling. A batch row computing
 ``context_len`` tokens reads positions ``[0, context_len)``; the completion starts at the
@@ -37,6 +37,18 @@ class LogitsTensors:
     banned_batch: torch.Tensor | None = None
     """Tokens held back by min_tokens (EOS and stop token ids)."""
     banned_ids: torch.Tensor | None = None
+    never_batch: torch.Tensor | None = None
+    """One-token bad words, held back always."""
+    never_ids: torch.Tensor | None = None
+    words_batch: torch.Tensor | None = None
+    """Bad words of several tokens, one per entry: the row, its slot, where the word's prefix
+    would start (``width`` tokens, ``prefix_lens`` of them real) and its last token, held back
+    where the completion so far ends with the prefix."""
+    words_slots: torch.Tensor | None = None
+    words_starts: torch.Tensor | None = None
+    words_prefixes: torch.Tensor | None = None
+    words_prefix_lens: torch.Tensor | None = None
+    words_last: torch.Tensor | None = None
     history: torch.Tensor | None = None
     """``[slots, max_model_len]`` token ids by position, of the slots that penalise repeats."""
     history_slots: torch.Tensor | None = None
@@ -73,9 +85,26 @@ def process_logits(logits: torch.Tensor, lt: LogitsTensors) -> torch.Tensor:
         logits.index_put_((lt.bias_batch, lt.bias_ids), lt.bias_values, accumulate=True)
     if lt.banned_batch is not None:
         logits[lt.banned_batch, lt.banned_ids] = float("-inf")
+    if lt.never_batch is not None:
+        logits[lt.never_batch, lt.never_ids] = float("-inf")
+    if lt.words_batch is not None:
+        _hold_back_bad_words(logits, lt)
     if lt.penalized is not None:
         logits[lt.penalized] = _penalize(logits[lt.penalized], lt)
     return logits
+
+
+def _hold_back_bad_words(logits: torch.Tensor, lt: LogitsTensors) -> None:
+    """-inf on a bad word's last token where the row's tokens end with the word's prefix; added
+    (0 elsewhere), so no mask is read back on the host."""
+    width = lt.words_prefixes.shape[1]
+    offsets = torch.arange(width, device=logits.device)
+    positions = (lt.words_starts.unsqueeze(1) + offsets).clamp(max=lt.history.shape[1] - 1)
+    seen = lt.history[lt.words_slots.unsqueeze(1), positions].long()
+    real = offsets < lt.words_prefix_lens.unsqueeze(1)
+    matches = ((seen == lt.words_prefixes) | ~real).all(dim=1)
+    held = torch.zeros(len(matches), device=logits.device).masked_fill_(matches, float("-inf"))
+    logits.index_put_((lt.words_batch, lt.words_last), held, accumulate=True)
 
 
 def _penalize(logits: torch.Tensor, lt: LogitsTensors) -> torch.Tensor:
@@ -139,6 +168,10 @@ class LogitsSlots:
         self.allowed, self.num_allowed = self._ragged_table(num_slots)
         self.bias_ids, self.num_bias = self._ragged_table(num_slots)
         self.bias_values = self._ragged_table(num_slots)[0]
+        self.never, self.num_never = self._ragged_table(num_slots)
+        self.words: list[list[list[int]]] = [[] for _ in range(num_slots)]
+        """Each slot's bad words of several tokens."""
+        self.keeps_history = np.zeros(num_slots, dtype=bool)
         self.history: torch.Tensor | None = None
         self.pending: list[tuple[int, list[int]]] = []
 
@@ -152,17 +185,25 @@ class LogitsSlots:
         """Keep the parameters of the sequence that took a slot. A slot that uses none is only
         marked so: every other array is read through ``uses``."""
         p, slot = new.params, new.slot
-        penalized = p.penalizes_repeats
-        self.uses[slot] = penalized or p.min_tokens > 0 or bool(p.allowed_token_ids or p.logit_bias)
+        keeps_history = p.needs_token_history
+        self.keeps_history[slot] = keeps_history
+        self.uses[slot] = (
+            keeps_history
+            or p.min_tokens > 0
+            or bool(p.allowed_token_ids or p.logit_bias or p.bad_words_token_ids)
+        )
         if not self.uses[slot]:
             self.any_use = self.any_use and bool(self.uses.any())
             return
         self.any_use = True
-        if penalized:
+        if keeps_history:
             if new.token_ids is None:
-                raise ValueError(f"slot {slot} penalises repeats but was sent no token ids")
+                raise ValueError(f"slot {slot} reads the tokens seen so far but was sent no token ids")
             self.pending.append((slot, new.token_ids))
-        self.num_known[slot] = len(new.token_ids) if penalized else new.num_prompt_tokens
+        self.num_known[slot] = len(new.token_ids) if keeps_history else new.num_prompt_tokens
+        words = p.bad_words_token_ids or []
+        self._set(self.never, self.num_never, slot, [ids[0] for ids in words if len(ids) == 1])
+        self.words[slot] = [ids for ids in words if len(ids) > 1]
         self.repetition[slot] = p.repetition_penalty
         self.frequency[slot], self.presence[slot] = p.frequency_penalty, p.presence_penalty
         self.min_tokens[slot] = p.min_tokens
@@ -202,8 +243,32 @@ class LogitsSlots:
         pairs = _ragged(self.num_banned, slots, held, self.banned)
         if pairs is not None:
             lt.banned_batch, lt.banned_ids = pairs
+        pairs = _ragged(self.num_never, slots, batch, self.never)
+        if pairs is not None:
+            lt.never_batch, lt.never_ids = pairs
+        self._bad_words(lt, slots, context_lens, generated, batch)
         self._penalties(lt, slots, context_lens, prompt_lens, batch)
+        self._records(lt, slots, context_lens, batch)
         return lt
+
+    def _bad_words(self, lt: LogitsTensors, slots, context_lens, generated, batch) -> None:
+        """The batch's bad words of several tokens whose prefix fits in the completion so far."""
+        rows, prefixes, last = [], [], []
+        for row in batch:
+            for ids in self.words[slots[row]]:
+                if len(ids) - 1 <= generated[row]:  # vLLM's: the completion's tokens only
+                    rows.append(row)
+                    prefixes.append(ids[:-1])
+                    last.append(ids[-1])
+        if not rows:
+            return
+        rows = np.asarray(rows, dtype=np.int64)
+        lens = np.fromiter(map(len, prefixes), dtype=np.int64, count=len(prefixes))
+        table = np.zeros((len(prefixes), int(lens.max())), dtype=np.int64)
+        for i, prefix in enumerate(prefixes):
+            table[i, : len(prefix)] = prefix
+        lt.words_batch, lt.words_slots, lt.words_last = rows, slots[rows], np.asarray(last, dtype=np.int64)
+        lt.words_starts, lt.words_prefixes, lt.words_prefix_lens = context_lens[rows] - lens, table, lens
 
     def _write_pending(self, lt: LogitsTensors) -> None:
         if self.history is None:
@@ -239,6 +304,13 @@ class LogitsSlots:
             lt.repetition = repetition[keep]
         if (frequency[keep] != 0).any() or (presence[keep] != 0).any():
             lt.frequency, lt.presence = frequency[keep], presence[keep]
+
+    def _records(
+        self, lt: LogitsTensors, slots: np.ndarray, context_lens: np.ndarray, batch: np.ndarray
+    ) -> None:
+        """Where the rows that keep a history write their samples: real next tokens only."""
+        batch = batch[self.keeps_history[slots[batch]]]
+        batch_slots, lens = slots[batch], context_lens[batch]
         real = (lens >= self.num_known[batch_slots]) & (lens < self.max_model_len)
         if real.any():
             lt.record_batch, lt.record_slots = batch[real], batch_slots[real]

@@ -258,7 +258,7 @@ class Scheduler:
         for s in seqs:
             sent = s.num_blocks_sent
             if sent == 0:
-                history = list(s.token_ids) if s.params.penalizes_repeats else None
+                history = list(s.token_ids) if s.params.needs_token_history else None
                 new_slots.append(NewSlot(s.slot, s.num_prompt_tokens, s.params, history))
             if len(s.block_table) > sent:
                 updates.append(BlockTableUpdate(s.slot, sent, s.block_table[sent:]))

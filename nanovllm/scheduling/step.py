@@ -21,7 +21,8 @@ class NewSlot:
     params: SamplingParams
     token_ids: list[int] | None = None
     """Every token id the sequence has (prompt, then any generated before a preemption), sent
-    only when its params penalise repeats: the executor may not see cached prompt tokens."""
+    only when its params read them (``needs_token_history``): the executor may not see cached
+    prompt tokens."""
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
     PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
@@ -30,6 +31,16 @@ class PresenceFrequencyPenalty(LogitsProcessor):
         return scores
 
 
+class CompletionOnly(LogitsProcessor):
+    """A processor shown the completion's tokens only (vLLM's bad words ignore the prompt)."""
+
+    def __init__(self, prompt_len: int, processor: LogitsProcessor):
+        self.prompt_len, self.processor = prompt_len, processor
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.processor(input_ids[:, self.prompt_len :], scores)
+
+
 def hf_processors(p: SamplingParams, prompt_len: int, eos) -> LogitsProcessorList:
     """The processors Hugging Face would run for ``p`` (``eos``: the model's EOS ids), in our order."""
     procs = LogitsProcessorList()
@@ -40,6 +51,9 @@ def hf_processors(p: SamplingParams, prompt_len: int, eos) -> LogitsProcessorLis
     if p.min_tokens:
         stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
         procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, p.min_tokens, stop))
+    if p.bad_words_token_ids:
+        bad = NoBadWordsLogitsProcessor(p.bad_words_token_ids, eos_token_id=None)
+        procs.append(CompletionOnly(prompt_len, bad))
     if p.repetition_penalty != 1:
         procs.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
     if p.frequency_penalty or p.presence_penalty:

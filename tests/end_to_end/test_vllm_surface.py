@@ -190,3 +190,51 @@ def test_eos_and_stop_ids_come_before_stop_strings_and_leave_their_text_out(qwen
             assert out.text == ""
     finally:
         llm.exit()
+
+
+def test_bad_words_match_hf(qwen3_dir, prompts):
+    """Words chosen from the plain greedy completion (so they would occur): ours, as strings and as
+    token ids, equal HF's greedy generate with NoBadWordsLogitsProcessor on the completion."""
+    from tests.end_to_end.hf_oracle import hf_generate
+
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", max_num_seqs=4)
+    tok = llm.tokenizer
+    try:
+        batch, params, want = prompts[1:4], [], []
+        for prompt in batch:
+            plain = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            ids = SamplingParams(
+                temperature=0, max_tokens=8, ignore_eos=True, bad_words_token_ids=[plain[2:4], [plain[6]]]
+            )
+            params.append(ids)
+            want.append(hf_generate(qwen3_dir, prompt, ids))
+            assert want[-1] != plain  # the words matter
+        outs = llm.generate(batch + [prompts[0]], params + [GREEDY], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs[:3]] == want
+        # as a string: the word and, where it tokenizes differently, the word after a space
+        word = tok.decode(want[0][3:5]).strip()
+        variants = [
+            tok.encode(word, add_special_tokens=False),
+            tok.encode(" " + word, add_special_tokens=False),
+        ]
+        words = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word])
+        oracle = SamplingParams(
+            temperature=0, max_tokens=8, ignore_eos=True,
+            bad_words_token_ids=[v for v in variants if v == variants[0] or (
+                v[0] != variants[0][0] and len(v) == len(variants[0]))],
+        )  # fmt: skip
+        got = llm.generate([batch[0]], words, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == hf_generate(qwen3_dir, batch[0], oracle) and got != want[0]
+    finally:
+        llm.exit()
+
+
+def test_bad_words_need_a_tokenizer_or_token_ids(qwen3_dir):
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", skip_tokenizer_init=True)
+    try:
+        with pytest.raises(ValueError, match="bad_words need a tokenizer"):
+            llm.generate([[1, 2, 3]], SamplingParams(bad_words=["x"]), use_tqdm=False)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate([[1, 2, 3]], SamplingParams(bad_words_token_ids=[[1, 9999]]), use_tqdm=False)
+    finally:
+        llm.exit()

@@ -43,9 +43,10 @@ class Seq:
         self.processors = hf_processors(self.params, self.num_prompt_tokens)
 
     def new_slot(self) -> NewSlot:
-        p = self.params
-        repeats = p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
-        return NewSlot(self.slot, self.num_prompt_tokens, p, list(self.token_ids) if repeats else None)
+        p = self.params  # as the scheduler sends it: the tokens seen so far when they are read
+        return NewSlot(
+            self.slot, self.num_prompt_tokens, p, list(self.token_ids) if p.needs_token_history else None
+        )
 
 
 def gather(slots: LogitsSlots, batch_slots, context_lens, prompt_lens) -> LogitsTensors | None:
@@ -98,6 +99,12 @@ CASES = {
     "allowed": SamplingParams(allowed_token_ids=[1, 4, 5, 6, 9, 30]),
     "min_tokens": SamplingParams(min_tokens=6, stop_token_ids=[5, 9]),
     "min_tokens ignore_eos": SamplingParams(min_tokens=6, stop_token_ids=[5], ignore_eos=True),
+    "bad words": SamplingParams(  # biased so that the words' prefixes come up
+        bad_words_token_ids=[[3, 4], [9], [3, 5, 6]], logit_bias={3: 3.0, 4: 3.0, 5: 3.0, 6: 3.0}
+    ),
+    "bad words with penalties": SamplingParams(
+        bad_words_token_ids=[[3, 4], [4, 3]], logit_bias={3: 3.0, 4: 3.0}, repetition_penalty=1.1
+    ),
     "everything": SamplingParams(
         repetition_penalty=1.5,
         frequency_penalty=0.3,
