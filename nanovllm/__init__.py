@@ -12,6 +12,7 @@ __all__ = [
     "Logprob",
     "TextPrompt",
     "TokensPrompt",
+    "BeamSearchParams",
 ]
 
 
@@ -28,6 +29,10 @@ def __getattr__(name: str):
         from nanovllm import outputs
 
         return getattr(outputs, name)
+    if name == "BeamSearchParams":
+        from nanovllm.sampling_params import BeamSearchParams
+
+        return BeamSearchParams
     if name in ("TextPrompt", "TokensPrompt"):
         from nanovllm import inputs
 

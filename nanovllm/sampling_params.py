@@ -189,3 +189,22 @@ class SamplingParams:
         """Every token id these parameters name, for the engine to check against the vocabulary."""
         bad = [t for ids in self.bad_words_token_ids or () for t in ids]
         return self.stop_token_ids + (self.allowed_token_ids or []) + list(self.logit_bias or ()) + bad
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's: ``beam_width`` beams, ``max_tokens`` new tokens at most; a beam ends at EOS unless
+    ``ignore_eos``; beams are ranked by ``cum_logprob / len(tokens) ** length_penalty``."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

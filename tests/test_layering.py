@@ -123,6 +123,7 @@ def test_orchestration_reaches_execution_only_through_the_executor_interface():
                 "nanovllm.config",
                 "nanovllm.sampling_params",
                 "nanovllm.outputs",
+                "nanovllm.beam_search",
             ), (
                 module,
                 dep,

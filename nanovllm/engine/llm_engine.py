@@ -7,13 +7,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from itertools import count
 
+from nanovllm.beam_search import BeamSearchOutput
 from nanovllm.config import Config
+from nanovllm.engine.beam_search import beam_search
 from nanovllm.engine.executor import Executor, PendingOutput
 from nanovllm.engine.output_processor import OutputProcessor, StepResult
 from nanovllm.engine.progress import ProgressBar
 from nanovllm.engine.requests import PromptInput, Request, parse_prompts, sample_params, tokenize_bad_words
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 from nanovllm.scheduling import BlockManager, ScheduledStep, Scheduler, Sequence
 
 
@@ -225,6 +227,26 @@ class LLMEngine:
         (``break``, ``close()``, dropping it) cancels the requests left and frees their blocks."""
         requests = self._prepare(prompts, sampling_params, stream=True, lora_request=lora_request)
         return self._run(requests, use_tqdm, stream=True)
+
+    def beam_search(
+        self, prompts, params: BeamSearchParams, use_tqdm: bool = False, lora_request=None
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: each prompt's ``beam_width`` best beams (tokens: prompt, then
+        completion; text: their decoding), best first. One ``generate`` of one token a step
+        over every live beam; the prefix cache holds what beams share."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: LoRA adapters are not implemented")
+        token_ids = [self._to_token_ids(p) for p in parse_prompts(prompts)]
+
+        def one_step(beams: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
+            return self.generate(beams, step, use_tqdm=False)
+
+        outputs = beam_search(one_step, token_ids, params, self.config.eos_token_ids)
+        if self.tokenizer is not None:
+            for output in outputs:
+                for beam in output.sequences:
+                    beam.text = self.tokenizer.decode(beam.tokens, skip_special_tokens=True)
+        return outputs
 
     def _prepare(self, prompts, sampling_params, stream: bool, lora_request) -> list[Request]:
         if self.executor is None:
