@@ -194,7 +194,9 @@ class SamplingParams:
 @dataclass(frozen=True)
 class BeamSearchParams:
     """vLLM's: ``beam_width`` beams, ``max_tokens`` new tokens at most; a beam ends at EOS unless
-    ``ignore_eos``; beams are ranked by ``cum_logprob / len(tokens) ** length_penalty``."""
+    ``ignore_eos``; beams are ranked by ``cum_logprob / len(tokens) ** length_penalty``
+    (``tokens``: prompt and completion, as vLLM counts). ``include_stop_str_in_output`` is
+    accepted for vLLM's signature: beams have no stop strings."""
 
     beam_width: int
     max_tokens: int

@@ -27,11 +27,11 @@ def beam_search(
         beams = [beam for group in live for beam in group]
         if not beams:
             break
-        outputs = iter(generate([beam.tokens for beam in beams], step))
+        steps = iter(generate([beam.tokens for beam in beams], step))
         for i, group in enumerate(live):
             candidates = []
             for beam in group:
-                entry = next(outputs).outputs[0].logprobs[0]
+                entry = next(steps).outputs[0].logprobs[0]
                 for token, logprob in entry.items():
                     grown = BeamSearchSequence(
                         beam.tokens + [token], beam.logprobs + [entry], beam.cum_logprob + logprob.logprob
@@ -42,9 +42,9 @@ def beam_search(
                     else:
                         candidates.append(grown)
             live[i] = best(candidates)[:width]
-    outputs = []
+    results = []
     for group, finished in zip(live, done):
         for beam in group:
             beam.finish_reason = "length"
-        outputs.append(BeamSearchOutput(best(finished + group)[:width]))
-    return outputs
+        results.append(BeamSearchOutput(best(finished + group)[:width]))
+    return results
