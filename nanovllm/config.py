@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 from nanovllm import engine_args
@@ -20,6 +21,8 @@ from nanovllm.models.registry import (
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+logger = logging.getLogger("nanovllm")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Model dtypes by name, and the bytes of one element."""
@@ -78,7 +81,9 @@ class Config:
     max_num_seqs: int = 1024
     """Running sequences at most (vLLM's default on large GPUs). Bigger decode steps pay: the
     8B bench ran 2% faster with 1,024 rows in 128-token blocks than with 768 in 256-token ones."""
-    max_model_len: int = 4096
+    max_model_len: int | None = None
+    """Prompt and completion tokens of a sequence at most; None: the model's context, lowered
+    (with a warning) to what the KV cache holds. A given value is capped by the model's context."""
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
@@ -123,6 +128,7 @@ class Config:
     hf_config: PretrainedConfig = field(init=False, repr=False, compare=False)
     architecture: Architecture = field(init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
+    max_model_len_given: bool = field(init=False, default=False, repr=False, compare=False)
 
     @classmethod
     def from_options(cls, model: str, platform: Platform, **options) -> Config:
@@ -146,7 +152,9 @@ class Config:
         resolve("hf_config", read_hf_config(self.model))
         resolve("architecture", resolve_architecture(self.hf_config))
         self._check_numbers()
-        resolve("max_model_len", min(self.max_model_len, context_len(self.hf_config)))
+        resolve("max_model_len_given", self.max_model_len is not None)
+        context = context_len(self.hf_config)
+        resolve("max_model_len", context if self.max_model_len is None else min(self.max_model_len, context))
         resolve("device", self._resolve_device())
         resolve("dtype", self._resolve_dtype())
         resolve("attention_backend", self._resolve_attention_backend())
@@ -156,7 +164,7 @@ class Config:
         resolve("eos_token_ids", self._eos_ids())
         fixed = self.fixed_num_kvcache_blocks
         if fixed is not None:
-            self.check_kv_cache_fits(fixed)
+            resolve("max_model_len", self._fitted_max_model_len(fixed))
 
     # --- derived values ------------------------------------------------------------------
     @property
@@ -196,19 +204,34 @@ class Config:
             return self.kv_blocks_for(CPU_KV_CACHE_BYTES)
         return None
 
-    def check_kv_cache_fits(self, num_blocks: int) -> None:
-        if num_blocks * self.kvcache_block_size < self.max_model_len:
+    def fit_max_model_len(self, num_blocks: int) -> Config:
+        """This configuration for a KV cache of ``num_blocks`` (see :meth:`_fitted_max_model_len`)."""
+        fitted = self._fitted_max_model_len(num_blocks)
+        return self if fitted == self.max_model_len else replace(self, max_model_len=fitted)
+
+    def _fitted_max_model_len(self, num_blocks: int) -> int:
+        """``max_model_len`` when ``num_blocks`` hold a sequence of it; else, for the model's
+        context taken by default, what they hold (with a warning); else ``ValueError``."""
+        capacity = max(num_blocks, 0) * self.kvcache_block_size
+        if capacity >= self.max_model_len:
+            return self.max_model_len
+        how = "raise gpu_memory_utilization / kv_cache_memory_gb / num_kvcache_blocks"
+        if self.max_model_len_given or not capacity:
             raise ValueError(
-                f"the KV cache holds {max(num_blocks, 0) * self.kvcache_block_size} tokens, less than one "
-                f"sequence of max_model_len={self.max_model_len}: raise gpu_memory_utilization / "
-                f"kv_cache_memory_gb / num_kvcache_blocks, or lower max_model_len"
+                f"the KV cache holds {capacity} tokens, less than one sequence of "
+                f"max_model_len={self.max_model_len}: {how}, or lower max_model_len"
             )
+        logger.warning(
+            "nanovllm: max_model_len is %d, not the model's %d: the KV cache holds %d tokens (%s)",
+            capacity, self.max_model_len, capacity, how,
+        )  # fmt: skip
+        return capacity
 
     # --- checks and resolution ---------------------------------------------------------------
     def _check_numbers(self) -> None:
         tp = self.tensor_parallel_size
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         bs = self.kvcache_block_size
         if bs is not None and (not isinstance(bs, int) or bs < 1 or bs & (bs - 1)):

@@ -50,7 +50,7 @@ class LLM(LLMEngine):
         tokenizer = load_tokenizer(config)
         executor = TPExecutor(config)
         try:
-            super().__init__(config, executor, tokenizer)
+            super().__init__(executor.config, executor, tokenizer)
         except BaseException:
             executor.close()
             raise

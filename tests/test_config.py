@@ -171,3 +171,26 @@ def test_the_triton_backend_on_cpu_needs_the_interpreter(tmp_path, monkeypatch):
         Config(str(tmp_path), device="cpu", attention_backend="triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert Config(str(tmp_path), device="cpu", attention_backend="triton").attention_backend == "triton"
+
+
+def test_max_model_len_defaults_to_the_models_context(tmp_path):
+    write_config(str(tmp_path), **{**SMALL, "max_position_embeddings": 8192})
+    assert Config(str(tmp_path), device="cpu").max_model_len == 8192
+    assert Config(str(tmp_path), device="cpu", max_model_len=None).max_model_len == 8192
+    assert Config(str(tmp_path), device="cpu", max_model_len=100).max_model_len == 100
+
+
+def test_a_default_max_model_len_is_lowered_to_what_the_cache_holds(tmp_path, caplog):
+    write_config(str(tmp_path), **{**SMALL, "max_position_embeddings": 8192})
+    with caplog.at_level("WARNING", logger="nanovllm"):
+        config = Config(str(tmp_path), device="cpu", num_kvcache_blocks=3, kvcache_block_size=16)
+    assert config.max_model_len == 48 and "the KV cache holds 48 tokens" in caplog.text
+    # the same when the block count comes from profiling the GPU, after start-up
+    profiled = Config(str(tmp_path), device="cpu", kvcache_block_size=16)
+    assert profiled.max_model_len == 8192
+    assert profiled.fit_max_model_len(3).max_model_len == 48
+    assert profiled.fit_max_model_len(1000) is profiled
+    with pytest.raises(
+        ValueError, match="KV cache holds 48 tokens, less than one sequence of max_model_len=64"
+    ):
+        Config(str(tmp_path), device="cpu", max_model_len=64, kvcache_block_size=16).fit_max_model_len(3)

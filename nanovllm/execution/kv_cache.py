@@ -52,8 +52,8 @@ class KVCache:
     ) -> int:
         """The block count: as the options fix it, or what the GPU has left under
         ``gpu_memory_utilization`` after the peak of a full-budget step (measured by
-        ``measure_peak_bytes``); the least over all ranks. ``ValueError`` when it is too few
-        for one sequence of ``max_model_len``."""
+        ``measure_peak_bytes``); the least over all ranks. Whether it holds a sequence of
+        ``max_model_len`` is :meth:`Config.fit_max_model_len`'s to say."""
         num_blocks = config.fixed_num_kvcache_blocks
         if num_blocks is None:
             peak = measure_peak_bytes()
@@ -63,7 +63,8 @@ class KVCache:
                 min(total * config.gpu_memory_utilization - peak, free - _HEADROOM_BYTES)
             )
         num_blocks = tp.min_over_ranks(num_blocks, device)
-        config.check_kv_cache_fits(num_blocks)
+        if num_blocks < 1:  # a cache that short is caught after start-up: none cannot be allocated
+            config.fit_max_model_len(num_blocks)
         return num_blocks
 
     def release(self) -> None:

@@ -73,11 +73,12 @@ class TPExecutor:
         self.broken = False
         try:
             self._start(config)
+            self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+            # the engine's configuration: max_model_len as the cache allows (restarts keep it)
+            self.config = config.fit_max_model_len(self.num_kvcache_blocks)
         except BaseException:
             self.close()
             raise
-        self.num_kvcache_blocks = self.runner.num_kvcache_blocks
-        self.config = config
 
     # --- start and stop ------------------------------------------------------------------
     def _start(self, config: Config) -> None:
