@@ -17,6 +17,7 @@ import torch
 from nanovllm.scheduling.step import NewSlot
 
 _NO_IDS = np.empty(0, dtype=np.int64)
+_MIN_HISTORY = 256  # token table positions at first
 
 
 @dataclass(slots=True)
@@ -50,7 +51,8 @@ class LogitsTensors:
     words_prefix_lens: torch.Tensor | None = None
     words_last: torch.Tensor | None = None
     history: torch.Tensor | None = None
-    """``[slots, max_model_len]`` token ids by position, of the slots that penalise repeats."""
+    """``[slots, positions]`` token ids by position, of the slots that read them (positions grow
+    with the contexts, up to ``max_model_len``)."""
     history_slots: torch.Tensor | None = None
     """Known tokens of slots taken this step, to write into ``history`` before reading it."""
     history_pos: torch.Tensor | None = None
@@ -228,7 +230,11 @@ class LogitsSlots:
         batch = np.flatnonzero(self.uses[slots])
         if not batch.size:
             return None
-        lt = LogitsTensors(history=self.history)
+        lt = LogitsTensors()
+        if self.pending or self.keeps_history[slots[batch]].any():
+            # written up to each pending history and each row's context, read below the context
+            width = max([len(t) for _, t in self.pending] + [int(context_lens[batch].max()) + 1])
+            lt.history = self._history_for(min(width, self.max_model_len))
         if self.pending:
             self._write_pending(lt)
         pairs = _ragged(self.num_allowed, slots, batch, self.allowed)
@@ -270,11 +276,22 @@ class LogitsSlots:
         lt.words_batch, lt.words_slots, lt.words_last = rows, slots[rows], np.asarray(last, dtype=np.int64)
         lt.words_starts, lt.words_prefixes, lt.words_prefix_lens = context_lens[rows] - lens, table, lens
 
+    def _history_for(self, width: int) -> torch.Tensor:
+        """The token table, at least ``width`` positions wide: it grows with the contexts
+        (doubling, up to ``max_model_len``) instead of holding ``max_model_len`` for every slot
+        from the start. A step in flight still writes the old table: the copy runs after it."""
+        old = self.history
+        if old is not None and old.shape[1] >= width:
+            return old
+        columns = min(
+            self.max_model_len, max(width, _MIN_HISTORY, 2 * old.shape[1] if old is not None else 0)
+        )
+        self.history = torch.zeros(len(self.uses), columns, dtype=torch.int32, device=self.device)
+        if old is not None:
+            self.history[:, : old.shape[1]] = old
+        return self.history
+
     def _write_pending(self, lt: LogitsTensors) -> None:
-        if self.history is None:
-            num_slots = len(self.uses)
-            self.history = torch.zeros(num_slots, self.max_model_len, dtype=torch.int32, device=self.device)
-            lt.history = self.history
         lengths = np.fromiter((len(t) for _, t in self.pending), dtype=np.int64, count=len(self.pending))
         lt.history_slots = np.repeat([slot for slot, _ in self.pending], lengths)
         lt.history_pos = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)

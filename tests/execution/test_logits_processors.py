@@ -189,3 +189,15 @@ def test_missing_token_ids_for_a_penalty_slot_is_an_error():
     slots = LogitsSlots(SLOTS, MAX_LEN, EOS, torch.device("cpu"))
     with pytest.raises(ValueError, match="no token ids"):
         slots.assign(NewSlot(0, 3, SamplingParams(presence_penalty=1.0)))
+
+
+def test_the_token_table_grows_with_the_contexts_and_keeps_its_tokens():
+    slots = LogitsSlots(SLOTS, 4096, EOS, torch.device("cpu"))
+    tokens = prompt(5, 300)
+    slots.assign(NewSlot(1, 300, SamplingParams(frequency_penalty=1.0), tokens))
+    process_logits(torch.zeros(1, VOCAB), gather(slots, [1], [300], [300]))  # writes the prompt
+    first = slots.history
+    assert 301 <= first.shape[1] < 4096  # not max_model_len columns for every slot at once
+    lt = gather(slots, [1], [900], [300])  # a context three times longer: the table grows
+    assert slots.history.shape[1] >= 901 and lt.history is slots.history
+    assert slots.history[1, :300].tolist() == tokens
