@@ -17,14 +17,14 @@ ACCEPTED = {
     "hf_token": "models load from local folders only",
     "disable_async_output_proc": "outputs are processed while the next step runs (async_scheduling)",
     "compilation_config": "small element-wise ops are compiled with torch.compile unless enforce_eager",
+    "max_lora_rank": "LoRA adapters are not implemented (enable_lora is refused): no rank to bound",
+    "max_loras": "LoRA adapters are not implemented (enable_lora is refused): no adapter to count",
 }
 """Arguments that take any value here, and what they mean here."""
 
 REFUSED = {
     "quantization": ((None,), "quantized weights are not implemented: load the bf16/fp16 checkpoint"),
     "enable_lora": ((False,), "LoRA adapters are not implemented: merge the adapter into the weights"),
-    "max_lora_rank": ((None,), "LoRA adapters are not implemented: merge the adapter into the weights"),
-    "max_loras": ((None,), "LoRA adapters are not implemented: merge the adapter into the weights"),
     "revision": ((None,), "models load from local folders: pass the folder of that revision"),
     "tokenizer_revision": ((None,), "tokenizers load from local folders: pass tokenizer=<folder>"),
     "pipeline_parallel_size": ((1,), "use tensor_parallel_size to spread a model over GPUs"),
