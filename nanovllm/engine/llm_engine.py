@@ -1,5 +1,6 @@
 """The orchestration layer: prompts in, completions out, in prompt order."""
 
+import functools
 import threading
 import time
 from collections import deque
@@ -237,10 +238,7 @@ class LLMEngine:
         if lora_request is not None:
             raise ValueError("lora_request is not supported: LoRA adapters are not implemented")
         token_ids = [self._to_token_ids(p) for p in parse_prompts(prompts)]
-
-        def one_step(beams: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
-            return self.generate(beams, step, use_tqdm=False)
-
+        one_step = functools.partial(self.generate, use_tqdm=False)
         outputs = beam_search(one_step, token_ids, params, self.config.eos_token_ids)
         if self.tokenizer is not None:
             for output in outputs:

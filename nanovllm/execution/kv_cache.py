@@ -63,7 +63,7 @@ class KVCache:
                 min(total * config.gpu_memory_utilization - peak, free - _HEADROOM_BYTES)
             )
         num_blocks = tp.min_over_ranks(num_blocks, device)
-        if num_blocks < 1:  # a cache that short is caught after start-up: none cannot be allocated
+        if num_blocks < 1:  # no tensor to allocate: raise now, with the message a too-short cache gets
             config.fit_max_model_len(num_blocks)
         return num_blocks
 
