@@ -13,6 +13,7 @@ __all__ = [
     "TextPrompt",
     "TokensPrompt",
     "BeamSearchParams",
+    "StructuredOutputsParams",
 ]
 
 
@@ -29,10 +30,10 @@ def __getattr__(name: str):
         from nanovllm import outputs
 
         return getattr(outputs, name)
-    if name == "BeamSearchParams":
-        from nanovllm.sampling_params import BeamSearchParams
+    if name in ("BeamSearchParams", "StructuredOutputsParams"):
+        from nanovllm import sampling_params
 
-        return BeamSearchParams
+        return getattr(sampling_params, name)
     if name in ("TextPrompt", "TokensPrompt"):
         from nanovllm import inputs
 

@@ -28,6 +28,69 @@ def _token_id_list(name: str, value) -> list[int]:
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's structured-output constraint: the completion follows exactly one of
+
+    - ``json``: a JSON schema (a dict or a JSON string);
+    - ``regex``: a regular expression the whole completion matches;
+    - ``choice``: a list of strings, the completion being one of them;
+    - ``grammar``: an EBNF grammar as xgrammar reads it (GBNF-style, rule ``root``);
+    - ``json_object=True``: any JSON object.
+
+    ``disable_any_whitespace``: JSON without whitespace between its tokens (compact);
+    ``whitespace_pattern``: a regular expression the whitespace between JSON tokens matches
+    instead of any run of spaces, tabs and newlines. Objects take no properties beyond those
+    their schema names unless it says ``additionalProperties`` (so ``disable_additional_properties``
+    is what always holds). ``structural_tag`` is not supported.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in _CONSTRAINT_KINDS if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            got = f"got {kinds}" if kinds else "got none"
+            raise ValueError(f"StructuredOutputsParams takes exactly one of {list(_CONSTRAINT_KINDS)}, {got}")
+        if self.structural_tag is not None:
+            raise ValueError("structural_tag is not supported: use json, regex, choice or grammar")
+        if not isinstance(self.json, (str, dict, type(None))):
+            raise ValueError(
+                f"json must be a JSON schema as a dict or a string, got {type(self.json).__name__}"
+            )
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            choice = self.choice
+            if isinstance(choice, str) or not isinstance(choice, (list, tuple)) or not choice:
+                raise ValueError(f"choice must be a non-empty list of strings, got {choice!r}")
+            if not all(isinstance(c, str) and c for c in choice):
+                raise ValueError(f"choice must hold non-empty strings, got {choice!r}")
+            self.choice = list(choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"json_object must be True (or left out), got {self.json_object!r}")
+        if self.whitespace_pattern is not None and self.json is None and not self.json_object:
+            raise ValueError("whitespace_pattern applies to JSON (json or json_object) only")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in _CONSTRAINT_KINDS if getattr(self, k) is not None)
+
+
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """How to sample one request's completions.
 
@@ -58,6 +121,9 @@ class SamplingParams:
       do so); ``detokenize=False`` leaves the text empty (token ids only).
     - ``truncate_prompt_tokens``: keep only the prompt's last ``k`` tokens (-1: as many as
       ``max_model_len`` leaves room for).
+    - ``structured_outputs``: a :class:`StructuredOutputsParams` constraint the completion
+      follows (JSON schema, regex, choice, grammar); it ends ("stop") at EOS once the constraint
+      is complete, or as soon as nothing else may follow.
     """
 
     temperature: float = 1.0
@@ -86,6 +152,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -128,6 +195,13 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer >= 0 or None, got {value!r}")
 
     def _check_lists(self) -> None:
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
         stop = self.stop
         if stop is None:
             stop = []
