@@ -2,11 +2,19 @@
 
 from typing import Protocol
 
+import numpy as np
+
 from nanovllm.scheduling import StepBatch, StepOutput
 
 
 class PendingOutput(Protocol):
     """A launched step, whose output is read back when asked for."""
+
+    def sample_with_bitmask(self, bitmask: np.ndarray) -> None:
+        """Sample a step with ``structured_rows``: ``bitmask`` (int32, one row per structured
+        row, bit ``t % 32`` of word ``t // 32`` allowing token ``t``) masks their logits first.
+        Due once, before :meth:`result` and before the next launch."""
+        ...
 
     def result(self) -> StepOutput:
         """Wait for the step and return its output."""

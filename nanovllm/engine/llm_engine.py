@@ -15,6 +15,7 @@ from nanovllm.engine.executor import Executor, PendingOutput
 from nanovllm.engine.output_processor import OutputProcessor, StepResult
 from nanovllm.engine.progress import ProgressBar
 from nanovllm.engine.requests import PromptInput, Request, parse_prompts, sample_params, tokenize_bad_words
+from nanovllm.engine.structured_outputs import StructuredOutputs
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 from nanovllm.scheduling import BlockManager, ScheduledStep, Scheduler, Sequence
@@ -55,7 +56,10 @@ class LLMEngine:
             config.max_model_len,
             config.mixed_steps,
         )
-        self.output_processor = OutputProcessor(self.scheduler, config.eos_token_ids, config.max_model_len)
+        self.structured_outputs = StructuredOutputs(tokenizer, self.vocab_size, config.eos_token_ids)
+        self.output_processor = OutputProcessor(
+            self.scheduler, config.eos_token_ids, config.max_model_len, self.structured_outputs
+        )
         self.in_flight: deque[InFlightStep] = deque()
         self.seq_ids = count()
         self.request_ids = count()
@@ -72,6 +76,7 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.close()
             self.executor = None
+        self.structured_outputs.close()
 
     def _to_token_ids(self, prompt: PromptInput) -> list[int]:
         if prompt.token_ids is not None:
@@ -122,12 +127,18 @@ class LLMEngine:
             k = params.truncate_prompt_tokens
             token_ids = token_ids[-(self.config.max_model_len - 1 if k == -1 else k) :]
         self._validate(i, token_ids, params)
+        grammar = None
+        if params.structured_outputs is not None:
+            try:
+                grammar = self.structured_outputs.compile(params.structured_outputs)
+            except ValueError as error:
+                raise ValueError(f"prompt {i}: structured_outputs: {error}") from None
         samples = [sample_params(params, k, self.config.max_model_len) for k in range(params.n)]
         request_id = str(next(self.request_ids))
         seqs = [Sequence(next(self.seq_ids), token_ids, p, request_id) for p in samples]
         for seq in seqs[1:]:
             seq.prompt_source = seqs[0]
-        return Request(request_id, prompt, token_ids, params, seqs, self.tokenizer, stream)
+        return Request(request_id, prompt, token_ids, params, seqs, self.tokenizer, stream, grammar)
 
     def add_requests(
         self,
@@ -160,6 +171,8 @@ class LLMEngine:
         for request in requests:
             for seq in request.seqs:
                 self.scheduler.add(seq)
+                if request.grammar is not None:
+                    self.structured_outputs.track(seq.seq_id, request.grammar)
             self.output_processor.track(request)
 
     def add_request(self, prompt, sampling_params: SamplingParams) -> Sequence:
@@ -179,13 +192,23 @@ class LLMEngine:
             raise RuntimeError("this engine has been shut down")
         if not self.in_flight:
             self._launch(self.scheduler.schedule())
+            self._sample_under_constraints(self.in_flight[0])
         last = self.in_flight[-1].step
         if self.async_scheduling and len(self.in_flight) == 1:
             ahead = self.scheduler.schedule_ahead(last)
             if ahead is not None:
                 self._launch(ahead)
         done = self.in_flight.popleft()
-        return self.output_processor.process(done.step, done.output.result())
+        result = self.output_processor.process(done.step, done.output.result())
+        if self.in_flight:  # its rows' constraints now know every token before it
+            self._sample_under_constraints(self.in_flight[0])
+        return result
+
+    def _sample_under_constraints(self, launched: InFlightStep) -> None:
+        """Hand a launched step with rows under a structured-output constraint its token
+        bitmask, filled from their grammars (which must have taken every earlier token)."""
+        if launched.step.batch.structured_rows:
+            launched.output.sample_with_bitmask(self.structured_outputs.bitmask(launched.step))
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self.in_flight
@@ -194,6 +217,7 @@ class LLMEngine:
         """Drop every request and step in flight; their blocks return to the cache."""
         self.in_flight.clear()
         self.scheduler.abort_all()
+        self.structured_outputs.matchers.clear()
         if self.executor is not None and self.executor.recover():
             self.scheduler.forget_cached_prefixes()
 

@@ -5,6 +5,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 
 from nanovllm.engine.requests import Completion, Request
+from nanovllm.engine.structured_outputs import GrammarMatcher, StructuredOutputs
 from nanovllm.scheduling import ScheduledStep, Scheduler, Sequence, StepOutput
 from nanovllm.scheduling.step import NO_TOKEN
 
@@ -45,8 +46,18 @@ class OutputProcessor:
     token (log-probabilities, their text followed) are looked up (``followed``, by sequence
     id, until they end)."""
 
-    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...], max_model_len: int):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        structured_outputs: StructuredOutputs | None = None,
+    ):
         self.scheduler = scheduler
+        self.matchers: dict[int, GrammarMatcher] = (
+            {} if structured_outputs is None else structured_outputs.matchers
+        )
+        """The grammar matchers of constrained completions (owned by ``structured_outputs``)."""
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.followed: dict[int, Completion] = {}
@@ -67,10 +78,20 @@ class OutputProcessor:
                 completion.request.add_prompt_logprobs(request.first_position, request.target_ids, entries)
         finished, changed = [], {}
         eos, max_model_len = self.eos_token_ids, self.max_model_len
+        matchers = self.matchers
         for row in rows:
             seq, token_id = seqs[row], token_ids[row]
             if token_id >= 0:
                 end = check_stop(seq, token_id, eos, max_model_len)
+                matcher = matchers.get(seq.seq_id) if matchers else None
+                if matcher is not None:
+                    if not matcher.accept(token_id):
+                        raise RuntimeError(
+                            f"request {seq.request_id}: sampled token {token_id} breaks its "
+                            "structured-output constraint"
+                        )
+                    if end is None and matcher.is_terminated:  # complete, its EOS taken (ignore_eos)
+                        end = ("stop", None)
             elif token_id == NO_TOKEN:
                 end = ("abort", None)  # its constraints leave no token: it cannot go on
             else:
@@ -92,6 +113,8 @@ class OutputProcessor:
             if end is not None:
                 self.scheduler.finish(seq, *end)
                 followed.pop(seq.seq_id, None)
+                if matchers:
+                    matchers.pop(seq.seq_id, None)
                 finished.append(seq)
         num_prefill = sum(step.batch.num_tokens[step.num_decodes :])
         num_decode = bisect_left(rows, step.num_decodes)  # rows ascend

@@ -1,6 +1,7 @@
 """Requests as the engine tracks them: the prompts vLLM accepts, and ``n`` completions each,
 whose text is detokenized as tokens arrive."""
 
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop
@@ -179,12 +180,15 @@ class Request:
     """
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "tokenizer", "follows_text",
-                 "completions", "prompt_logprobs")  # fmt: skip
+                 "completions", "prompt_logprobs", "grammar")  # fmt: skip
 
     def __init__(self, request_id: str, prompt: PromptInput, token_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence], tokenizer, stream: bool) -> None:  # fmt: skip
+                 seqs: list[Sequence], tokenizer, stream: bool,
+                 grammar: Future | None = None) -> None:  # fmt: skip
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt.text, token_ids
         self.params = params
+        self.grammar = grammar
+        """The compiled grammar of its structured-output constraint (a future), if any."""
         self.tokenizer = tokenizer if params.detokenize else None
         self.follows_text = stream or bool(params.stop)
         self.completions = [Completion(self, i, seq) for i, seq in enumerate(seqs)]

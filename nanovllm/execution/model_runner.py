@@ -1,7 +1,10 @@
 """Runs the model for a :class:`StepBatch` on one tensor-parallel rank."""
 
+import functools
+from collections.abc import Callable
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -13,33 +16,45 @@ from nanovllm.execution.loader import build_model
 from nanovllm.execution.logprobs import LogprobTensors, prompt_logprobs, to_host, token_logprobs
 from nanovllm.execution.platform import rank_device
 from nanovllm.execution.sampler import Sampler
-from nanovllm.execution.step_inputs import StepInputBuilder
+from nanovllm.execution.step_inputs import StepInputBuilder, StepInputs
+from nanovllm.execution.token_bitmask import BitmaskUpload
 from nanovllm.layers.parallel import TPGroup
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.scheduling.step import BlockTableUpdate, NewSlot, StepBatch, StepOutput
 
 
 class PendingOutput:
-    """A launched step's output (rank 0), copied to the host without blocking the launch."""
+    """A launched step's output (rank 0), copied to the host without blocking the launch.
 
-    def __init__(
-        self,
-        sampled: torch.Tensor,
-        logprobs: LogprobTensors | None,
-        prompt_logprobs: LogprobTensors | None,
-        prompt_lengths: list[int],
-    ):
-        self.sampled = to_host(sampled)
-        self.logprobs = None if logprobs is None else logprobs.to_host()
+    A step with rows under a structured-output constraint is sampled only when its token bitmask
+    comes (:meth:`sample_with_bitmask`); the others are sampled at launch."""
+
+    def __init__(self, prompt_logprobs: LogprobTensors | None, prompt_lengths: list[int]):
         self.prompt_logprobs = None if prompt_logprobs is None else prompt_logprobs.to_host()
         self.prompt_lengths = prompt_lengths
         """Targets of each of the batch's prompt-logprobs requests."""
+        self.sampled: torch.Tensor | None = None
+        self.logprobs: LogprobTensors | None = None
         self.event = None
+        self.sample_later: Callable[[np.ndarray], None] | None = None
+
+    def sampled_as(self, sampled: torch.Tensor, logprobs: LogprobTensors | None) -> None:
+        """The step's samples: their copy to the host starts now."""
+        self.sampled = to_host(sampled)
+        self.logprobs = None if logprobs is None else logprobs.to_host()
         if sampled.is_cuda:
             self.event = torch.cuda.Event()
             self.event.record()
 
+    def sample_with_bitmask(self, bitmask: np.ndarray) -> None:
+        if self.sample_later is None:
+            raise RuntimeError("this step has no row under a structured-output constraint, or is sampled")
+        sample, self.sample_later = self.sample_later, None
+        sample(bitmask)
+
     def result(self) -> StepOutput:
+        if self.sampled is None:
+            raise RuntimeError("the step awaits its token bitmask (sample_with_bitmask)")
         if self.event is not None:
             self.event.synchronize()
         output = StepOutput(self.sampled.tolist())
@@ -79,7 +94,9 @@ class ModelRunner:
     """The model, its KV cache, step inputs, sampler and decode graphs of one rank.
 
     Rank 0 returns sampled token ids; other ranks return None. With async scheduling rank 0
-    broadcasts its samples, so that every rank can feed them to a step planned ahead.
+    broadcasts its samples, so that every rank can feed them to a step planned ahead. A step
+    with rows under a structured-output constraint is sampled when its bitmask comes, before
+    the next launch (the other ranks wait for the broadcast meanwhile).
     """
 
     def __init__(self, config: Config, rank: int, store: dist.Store | None = None):
@@ -106,6 +123,9 @@ class ModelRunner:
             config, self.device, self.model.uses_rope_lengths, samples=self.tp.rank == 0
         )
         self.last_sampled: torch.Tensor | None = None
+        self.unsampled: PendingOutput | None = None
+        """A launched step still waiting for its token bitmask."""
+        self.bitmasks = BitmaskUpload(self.device, config.max_num_seqs, config.hf_config.vocab_size)
         self.graphs: DecodeGraphs | None = None
         self.kv_cache: KVCache | None = None
         num_blocks = KVCache.num_blocks_to_allocate(config, self.device, self.tp, self._profile_peak_bytes)
@@ -170,23 +190,45 @@ class ModelRunner:
         if not batch.is_decode:
             hidden = hidden[inputs.last_token_index]
         logits = self.model.compute_logits(hidden)
-        logprobs = None
-        if self.tp.rank == 0:
-            sampled = self.sampler(logits, inputs.sampling)  # leaves the raw logits as they are
-            if inputs.max_logprobs is not None:
-                logprobs = token_logprobs(logits, sampled, inputs.max_logprobs)
-            # a step planned ahead embeds these: a row without a token (a negative marker, its
-            # sequence ends) feeds token 0 instead
-            self.last_sampled = sampled.clamp(min=0)
-        if self.tp.size > 1 and self.config.async_scheduling:
-            # every rank keeps the samples: the next step, planned ahead, may take its inputs there
-            if self.tp.rank != 0:
-                self.last_sampled = torch.empty(len(batch), dtype=torch.int64, device=self.device)
-            dist.broadcast(self.last_sampled, src=0)
         if self.tp.rank != 0:
+            if self.tp.size > 1 and self.config.async_scheduling:  # rank 0's samples, for a step ahead
+                self.last_sampled = torch.empty(len(batch), dtype=torch.int64, device=self.device)
+                dist.broadcast(self.last_sampled, src=0)
             return None
         prompt_lengths = [len(r.target_ids) for r in batch.prompt_logprobs]
-        return PendingOutput(sampled, logprobs, prompt_lp, prompt_lengths)
+        pending = PendingOutput(prompt_lp, prompt_lengths)
+        if batch.structured_rows:
+            rows = batch.structured_rows
+            pending.sample_later = functools.partial(self._sample, pending, logits, inputs, rows)
+            self.unsampled = pending
+        else:
+            self._sample(pending, logits, inputs)
+        return pending
+
+    @torch.inference_mode()
+    def _sample(
+        self,
+        pending: PendingOutput,
+        logits: torch.Tensor,
+        inputs: StepInputs,
+        structured_rows: list[int] | None = None,
+        bitmask: np.ndarray | None = None,
+    ) -> None:
+        """Rank 0: sample (rows ``structured_rows`` under ``bitmask``), hand the samples to
+        ``pending`` and, with async scheduling over several ranks, to every rank."""
+        if structured_rows:
+            self.bitmasks.apply(logits, structured_rows, bitmask)
+        sampled = self.sampler(logits, inputs.sampling)  # leaves the (masked) logits as they are
+        logprobs = None
+        if inputs.max_logprobs is not None:
+            logprobs = token_logprobs(logits, sampled, inputs.max_logprobs)
+        # a step planned ahead embeds these: a row without a token (a negative marker, its
+        # sequence ends) feeds token 0 instead
+        self.last_sampled = sampled.clamp(min=0)
+        if self.tp.size > 1 and self.config.async_scheduling:
+            dist.broadcast(self.last_sampled, src=0)
+        pending.sampled_as(sampled, logprobs)
+        self.unsampled = None
 
     def run(self, batch: StepBatch) -> StepOutput | None:
         """One step, waiting for its output (rank 0) — what TP workers and tools call."""

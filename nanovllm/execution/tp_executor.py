@@ -155,6 +155,10 @@ class TPExecutor:
     def recover(self) -> bool:
         """A failed step may have left workers inside its collectives: they are started again
         (with a fresh KV cache) at the next launch. Returns whether that will happen."""
+        if self.runner is not None and self.runner.unsampled is not None:
+            self.runner.unsampled = None
+            if self.size > 1 and self.config.async_scheduling:  # workers wait for samples that never came
+                self.broken = True
         return self.broken
 
     # --- one step --------------------------------------------------------------------------

@@ -270,6 +270,12 @@ class Scheduler:
                 targets = s.token_ids[start + 1 : min(start + n + 1, s.num_prompt_tokens)]
                 k = s.params.prompt_logprobs
                 prompt_logprobs.append(PromptLogprobsRequest(row, start + 1, targets, k))
+        structured_rows = [
+            row
+            for row, s in enumerate(seqs)
+            if s.params.structured_outputs is not None
+            and (row < num_decodes or chunks[row - num_decodes][1] + chunks[row - num_decodes][2] == len(s))
+        ]
         num_single = num_decodes + len(single)
         batch = StepBatch(
             slots=[s.slot for s in seqs],
@@ -283,5 +289,6 @@ class Scheduler:
             block_table_updates=updates,
             previous_sample_rows=[row for _, row in from_previous],
             prompt_logprobs=prompt_logprobs,
+            structured_rows=structured_rows,
         )
         return ScheduledStep(seqs, batch, num_decodes)

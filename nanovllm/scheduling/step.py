@@ -70,6 +70,9 @@ class StepBatch:
     block_table_updates: list[BlockTableUpdate]
     previous_sample_rows: list[int] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobsRequest] = field(default_factory=list)
+    structured_rows: list[int] = field(default_factory=list)
+    """Rows sampled under a structured-output constraint: their sampling waits for the step's
+    token bitmask (``PendingOutput.sample_with_bitmask``), one bitmask row each, in order."""
 
     def __len__(self) -> int:
         return len(self.slots)

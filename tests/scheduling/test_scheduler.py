@@ -2,6 +2,7 @@
 
 import pytest
 
+from nanovllm.sampling_params import StructuredOutputsParams
 from nanovllm.scheduling.sequence import SequenceStatus
 from tests.scheduling.harness import DUMMY, Harness, cdiv, model
 
@@ -260,3 +261,20 @@ def test_a_parallel_sample_waits_for_its_prompt_only_if_it_can_share_it(prompt_l
     assert batch == ([source] if waits else [source, sibling])
     h.run()
     h.check_done()
+
+
+def test_structured_rows_are_the_constrained_rows_that_sample():
+    h = Harness(num_blocks=100, block_size=4, max_num_batched_tokens=10, mixed=True)
+    json_object = StructuredOutputsParams(json_object=True)
+    free = h.add([1] * 3, max_tokens=4)
+    constrained = h.add([2] * 12, max_tokens=4, structured_outputs=json_object)
+    first = h.sched.schedule()  # free's whole prompt, 7 tokens of constrained's: no token for it
+    assert first.seqs == [free, constrained] and first.batch.structured_rows == []
+    h.update(first, [5, DUMMY])
+    second = h.sched.schedule()  # free decodes, constrained's last chunk samples its first token
+    assert second.seqs == [free, constrained] and second.batch.structured_rows == [1]
+    h.update(second, [5, 6])
+    third = h.sched.schedule()
+    assert third.batch.num_single_token_rows == 2 and third.batch.structured_rows == [1]
+    ahead = h.sched.schedule_ahead(third)  # rows fed by the step in flight sample too
+    assert ahead.seqs == [free, constrained] and ahead.batch.structured_rows == [1]
