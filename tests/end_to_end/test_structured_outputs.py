@@ -54,8 +54,10 @@ def llm(json_model_dir):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(llm):
-    return llm.get_tokenizer()
+def tokenizer(json_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(json_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -285,3 +287,24 @@ def test_tensor_parallel_matches_one_rank(json_model_dir, mixed_run):
     ) as engine:
         outputs = engine.generate(prompts, params, use_tqdm=False)
     check_run(outputs, params, greedy)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_cuda_greedy_equals_hf_with_xgrammar_processor(json_model_dir, tokenizer, compiler, eager):
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    kinds = list(CONSTRAINTS)
+    params = [
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS[k]) for k in kinds
+    ]
+    options = dict(device="cuda", dtype="float32", enforce_eager=eager, max_model_len=512, max_num_seqs=16)
+    with LLM(json_model_dir, **options) as engine:
+        for prompt in prompts:  # every kind in one batch, the prompt repeated
+            outputs = engine.generate([prompt] * len(kinds), params, use_tqdm=False)
+            for kind, output in zip(kinds, outputs):
+                compiled = compile_for_hf(compiler, CONSTRAINTS[kind])
+                expected = hf_constrained(
+                    json_model_dir, prompt, compiled, tokenizer.eos_token_id, MAX_TOKENS
+                )
+                assert output.outputs[0].token_ids == expected, kind

@@ -1,0 +1,86 @@
+"""What a structured-output step's token bitmask costs, per step of ``--rows`` constrained rows.
+
+    PYTHONPATH=. python benchmarks/bench_structured_mask.py [--rows 256] [--threads 8]
+
+With the bench's JSON schema (``bench.JSON_SCHEMA``) and the byte-level tokenizer that fills
+Qwen3's 151,936 logits (``write_large_tokenizer``): each row's matcher is first walked a random
+number of tokens into the record (random allowed tokens), then the medians of
+- the host fill of every row's bitmask (``StructuredOutputs.bitmask``, xgrammar's batch fill);
+- on CUDA, its upload and the masking kernel over ``[rows, 151,936]`` bf16 logits.
+"""
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from bench import JSON_SCHEMA
+from nanovllm.demo_models import SHAPES, write_large_tokenizer
+from nanovllm.engine.structured_outputs import StructuredOutputs
+from nanovllm.execution.token_bitmask import BitmaskUpload
+from nanovllm.sampling_params import StructuredOutputsParams
+
+
+def allowed_tokens(bitmask_row: np.ndarray, vocab: int) -> np.ndarray:
+    bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")[:vocab]
+    return np.flatnonzero(bits)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--max-walk", type=int, default=80, help="tokens each matcher is walked, at most")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    vocab = SHAPES["qwen3-0.6b"]["vocab_size"]
+    path = tempfile.mkdtemp(prefix="nanovllm-mask-")
+    eos = write_large_tokenizer(path, vocab)
+    structured = StructuredOutputs(AutoTokenizer.from_pretrained(path), vocab, (eos,))
+    start = time.perf_counter()
+    compiled = structured.compile(StructuredOutputsParams(json=JSON_SCHEMA))
+    compiled.result()
+    print(f"schema compiled in {time.perf_counter() - start:.2f} s")
+    rng = random.Random(0)
+    seqs = [SimpleNamespace(seq_id=i) for i in range(args.rows)]
+    one = np.empty((1, structured.num_words), dtype=np.int32)
+    for seq in seqs:
+        structured.track(seq.seq_id, compiled)
+        matcher = structured.matchers[seq.seq_id]
+        for _ in range(rng.randrange(args.max_walk)):
+            matcher.matcher().fill_next_token_bitmask(one, 0)
+            choices = [t for t in allowed_tokens(one[0], vocab) if t != eos]
+            if not choices:
+                break
+            matcher.accept(int(rng.choice(choices)))
+    step = SimpleNamespace(seqs=seqs, batch=SimpleNamespace(structured_rows=list(range(args.rows))))
+    fills = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        bitmask = structured.bitmask(step)
+        fills.append(time.perf_counter() - start)
+    print(f"host fill, {args.rows} rows: {statistics.median(fills) * 1e3:.2f} ms")
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+        upload = BitmaskUpload(device, args.rows, vocab)
+        logits = torch.randn(args.rows, vocab, device=device, dtype=torch.bfloat16)
+        rows = list(range(args.rows))
+        times = []
+        for _ in range(args.repeats):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            upload.apply(logits, rows, bitmask)
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        print(f"upload + masking kernel, {args.rows} x {vocab} bf16 logits: {statistics.median(times):.3f} ms")
+    structured.close()
+
+
+if __name__ == "__main__":
+    main()
