@@ -33,7 +33,8 @@ def allowed_tokens(bitmask_row: np.ndarray, vocab: int) -> np.ndarray:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--max-walk", type=int, default=80, help="tokens each matcher is walked, at most")
     parser.add_argument("--repeats", type=int, default=20)
@@ -78,7 +79,8 @@ def main() -> None:
             end.record()
             end.synchronize()
             times.append(begin.elapsed_time(end))
-        print(f"upload + masking kernel, {args.rows} x {vocab} bf16 logits: {statistics.median(times):.3f} ms")
+        ms = statistics.median(times)
+        print(f"upload + masking kernel, {args.rows} x {vocab} bf16 logits: {ms:.3f} ms")
     structured.close()
 
 
