@@ -2,7 +2,9 @@
 
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -93,6 +95,11 @@ class LLM(LLMEngine):
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        """vLLM's: ``func`` on the model of every tensor-parallel rank (each holds its shard);
+        the results in rank order."""
+        return self.collective_rpc("apply_model", args=(func,))
 
     @property
     def llm_engine(self) -> "LLM":

@@ -1,6 +1,7 @@
 """What the engine asks of whatever runs the model: the whole orchestration/execution boundary."""
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,6 +33,17 @@ class Executor(Protocol):
 
     def launch(self, batch: StepBatch) -> PendingOutput:
         """Start one step; steps run in launch order."""
+        ...
+
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """``method`` (a method name, or a callable taking the rank's runner first) on every
+        rank; the results in rank order."""
         ...
 
     def recover(self) -> bool:

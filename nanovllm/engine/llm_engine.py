@@ -1,12 +1,14 @@
 """The orchestration layer: prompts in, completions out, in prompt order."""
 
+import contextlib
 import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from itertools import count
+from typing import Any
 
 from nanovllm.beam_search import BeamSearchOutput
 from nanovllm.config import Config
@@ -269,6 +271,34 @@ class LLMEngine:
                 for beam in output.sequences:
                     beam.text = self.tokenizer.decode(beam.tokens, skip_special_tokens=True)
         return outputs
+
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> list[Any]:
+        """vLLM's: ``method`` on every tensor-parallel rank's worker (a ``ModelRunner``), as the
+        name of one of its methods or a callable taking it first (a lambda too: it travels by
+        value); the results in rank order. A rank's error raises naming the rank. Runs between
+        calls, not while one runs."""
+        if self.executor is None:
+            raise RuntimeError("this engine has been shut down")
+        with self._idle("collective_rpc"):
+            return self.executor.collective_rpc(method, args, kwargs, timeout)
+
+    @contextlib.contextmanager
+    def _idle(self, what: str) -> Iterator[None]:
+        """Hold the engine for ``what``, which needs no request running."""
+        if not self.busy.acquire(blocking=False):
+            raise RuntimeError(f"{what}: the engine is running a call (a generate, or a stream not yet read)")
+        try:
+            if not self.is_finished():
+                raise RuntimeError(f"{what}: requests queued with add_request are still running")
+            yield
+        finally:
+            self.busy.release()
 
     def _prepare(self, prompts, sampling_params, stream: bool, lora_request) -> list[Request]:
         if self.executor is None:

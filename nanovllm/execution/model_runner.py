@@ -3,6 +3,7 @@
 import functools
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -229,6 +230,10 @@ class ModelRunner:
             dist.broadcast(self.last_sampled, src=0)
         pending.sampled_as(sampled, logprobs)
         self.unsampled = None
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> Any:
+        """``func`` on this rank's model (``LLM.apply_model``)."""
+        return func(self.model)
 
     def run(self, batch: StepBatch) -> StepOutput | None:
         """One step, waiting for its output (rank 0) — what TP workers and tools call."""

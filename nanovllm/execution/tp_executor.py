@@ -13,12 +13,15 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
+from nanovllm.execution import rpc
 from nanovllm.execution.model_runner import ModelRunner, PendingOutput
 from nanovllm.execution.worker import Channel, connect_store, worker_main
 from nanovllm.scheduling import StepBatch
@@ -71,6 +74,7 @@ class TPExecutor:
         self.store = None
         self.runner: ModelRunner | None = None
         self.broken = False
+        self.num_calls = 0
         try:
             self._start(config)
             self.num_kvcache_blocks = self.runner.num_kvcache_blocks
@@ -236,3 +240,54 @@ class TPExecutor:
                 if explained is error:
                     raise
                 raise explained from error
+
+    # --- calls on every rank ---------------------------------------------------------------
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """``method`` on every rank's :class:`ModelRunner` (a method's name, or a callable taking
+        the runner first); the results in rank order. A rank's error raises ``RuntimeError``
+        naming the rank; ``timeout`` (seconds, None: none) bounds the wait for the workers."""
+        if self.runner is None:
+            raise RuntimeError("this executor has been closed")
+        kwargs = kwargs or {}
+        if self.size == 1:
+            return [rpc.run_call(self.runner, method, args, kwargs)]
+        if self.broken:
+            self._restart()
+        call = rpc.encode_call(method, args, kwargs)
+        self._wait_until_read()
+        self.num_calls += 1
+        call_id = self.num_calls
+        with sigint_deferred():
+            self._post("collective_rpc", (call_id, call))
+            try:
+                own = rpc.run_call(self.runner, method, args, kwargs)
+            except BaseException:
+                self._wait_for_results(call_id, timeout)  # the workers finish theirs first
+                raise
+        results = [own]
+        for rank, data in enumerate(self._wait_for_results(call_id, timeout), start=1):
+            results.append(rpc.decode_result(rank, data))
+        return results
+
+    def _wait_for_results(self, call_id: int, timeout: float | None) -> list[bytes]:
+        keys = [rpc.result_key(call_id, rank) for rank in range(1, self.size)]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.store.check(keys):
+            try:
+                self._raise_if_dead()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"collective_rpc: the workers did not answer in {timeout} s")
+            except BaseException:
+                self.broken = True
+                raise
+            time.sleep(0.001)
+        results = [self.store.get(key) for key in keys]
+        for key in keys:
+            self.store.delete_key(key)
+        return results

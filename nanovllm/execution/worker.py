@@ -10,6 +10,7 @@ from multiprocessing.shared_memory import SharedMemory
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.execution.rpc import result_key, run_encoded
 
 CHANNEL_BYTES = 1 << 24
 _SEQ_AND_SIZE = struct.Struct("<QI")
@@ -92,6 +93,10 @@ def worker_main(
             method, args = channel.read(rank - 1)
             if method == "exit":
                 return
+            if method == "collective_rpc":
+                call_id, call = args
+                store.set(result_key(call_id, rank), run_encoded(runner, call))
+                continue
             getattr(runner, method)(*args)
     finally:
         runner.close()
