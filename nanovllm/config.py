@@ -34,6 +34,8 @@ not fit."""
 KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 """8-bit KV cache dtypes (float8 e4m3) by name."""
 ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
+SLEEP_TAGS = ("weights", "kv_cache")
+"""What sleep mode frees on every rank, and what ``wake_up(tags)`` names."""
 CPU_KV_CACHE_BYTES = 2 * 2**30
 
 
@@ -124,6 +126,9 @@ class Config:
     """"auto": the fast tokenizer where there is one; "slow": the Python one."""
     skip_tokenizer_init: bool = False
     """Load no tokenizer: prompts are token ids, completions have no text."""
+    enable_sleep_mode: bool = False
+    """Allow ``LLM.sleep`` and ``wake_up``: free the weights' and KV cache's device memory
+    between calls (an RL trainer's engine beside its training), then get them back."""
     platform: Platform = field(default=CPU_ONLY, repr=False, compare=False)
     hf_config: PretrainedConfig = field(init=False, repr=False, compare=False)
     architecture: Architecture = field(init=False, repr=False)

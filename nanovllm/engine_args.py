@@ -30,7 +30,6 @@ REFUSED = {
     "pipeline_parallel_size": ((1,), "use tensor_parallel_size to spread a model over GPUs"),
     "data_parallel_size": ((1,), "run replicas on Ray (nanovllm.replicas)"),
     "cpu_offload_gb": ((0,), "weights stay on the GPU: use tensor_parallel_size for a larger model"),
-    "enable_sleep_mode": ((False,), "sleep mode is not implemented: exit() the engine to free the GPU"),
     "speculative_config": ((None,), "speculative decoding is not implemented"),
     "task": (("auto", "generate"), "only text generation is implemented"),
     "runner": (("auto", "generate"), "only text generation is implemented"),

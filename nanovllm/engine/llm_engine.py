@@ -11,7 +11,7 @@ from itertools import count
 from typing import Any
 
 from nanovllm.beam_search import BeamSearchOutput
-from nanovllm.config import Config
+from nanovllm.config import SLEEP_TAGS, Config
 from nanovllm.engine.beam_search import beam_search
 from nanovllm.engine.executor import Executor, PendingOutput
 from nanovllm.engine.output_processor import OutputProcessor, StepResult
@@ -68,6 +68,8 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling and executor.supports_async_scheduling
         self.busy = threading.Lock()
         """Held while a call runs its requests."""
+        self.asleep: set[str] = set()
+        """What :meth:`sleep` freed (of :data:`SLEEP_TAGS`) and :meth:`wake_up` has not restored."""
 
     def get_tokenizer(self):
         """The model folder's Hugging Face tokenizer (None when it has no tokenizer files)."""
@@ -193,6 +195,7 @@ class LLMEngine:
         if self.executor is None:
             raise RuntimeError("this engine has been shut down")
         if not self.in_flight:
+            self._check_awake("step")
             self._launch(self.scheduler.schedule())
             self._sample_under_constraints(self.in_flight[0])
         last = self.in_flight[-1].step
@@ -263,6 +266,7 @@ class LLMEngine:
         over every live beam; the prefix cache holds what beams share."""
         if lora_request is not None:
             raise ValueError("lora_request is not supported: LoRA adapters are not implemented")
+        self._check_awake("beam_search")
         token_ids = [self._to_token_ids(p) for p in parse_prompts(prompts)]
         one_step = functools.partial(self.generate, use_tqdm=False)
         outputs = beam_search(one_step, token_ids, params, self.config.eos_token_ids)
@@ -282,10 +286,11 @@ class LLMEngine:
         """vLLM's: ``method`` on every tensor-parallel rank's worker (a ``ModelRunner``), as the
         name of one of its methods or a callable taking it first (a lambda too: it travels by
         value); the results in rank order. A rank's error raises naming the rank. Runs between
-        calls, not while one runs."""
+        calls, not while one runs, nor while a part of the engine sleeps."""
         if self.executor is None:
             raise RuntimeError("this engine has been shut down")
         with self._idle("collective_rpc"):
+            self._check_awake("collective_rpc")
             return self.executor.collective_rpc(method, args, kwargs, timeout)
 
     @contextlib.contextmanager
@@ -300,9 +305,61 @@ class LLMEngine:
         finally:
             self.busy.release()
 
+    # --- sleep mode ------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (``enable_sleep_mode=True``): free every rank's device memory
+        between calls, say while an RL trainer trains beside the engine. Level 1: the weights
+        go to CPU memory and come back as they were; level 2: they are dropped, to be loaded
+        again (:meth:`load_weights`) after :meth:`wake_up`. Both free the KV cache, whose cached
+        prefixes are forgotten, and the CUDA graphs. Until every part is woken, calls that run
+        the model raise ``RuntimeError``."""
+        if not self.config.enable_sleep_mode:
+            raise RuntimeError("sleep mode is off: create the LLM with enable_sleep_mode=True")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {level!r}")
+        if self.executor is None:
+            raise RuntimeError("this engine has been shut down")
+        with self._idle("sleep"):
+            # marked first: after a rank fails part way, wake_up restores whatever it freed
+            self.asleep.update(SLEEP_TAGS)
+            self.scheduler.forget_cached_prefixes()
+            self.executor.collective_rpc("sleep", args=(level,))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what :meth:`sleep` freed: everything (``tags`` None), or the parts named:
+        "weights" (their device memory, holding the weights of before a level-1 sleep; after a
+        level-2 one, nothing yet: load them) and "kv_cache" (as many blocks as before, empty).
+        CUDA graphs are captured again once both are back. Parts awake are left as they are."""
+        if self.executor is None:
+            raise RuntimeError("this engine has been shut down")
+        tags = list(SLEEP_TAGS) if tags is None else [tags] if isinstance(tags, str) else list(tags)
+        unknown = [tag for tag in tags if tag not in SLEEP_TAGS]
+        if unknown:
+            raise ValueError(f"wake_up tags {unknown} are unknown: the tags are {list(SLEEP_TAGS)}")
+        with self._idle("wake_up"):
+            if self.asleep.intersection(tags):
+                self.executor.collective_rpc("wake_up", args=(tags,))
+                self.asleep.difference_update(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether a part of the engine sleeps (from :meth:`sleep` until every part is woken)."""
+        return bool(self.asleep)
+
+    def _check_awake(self, what: str, needs: tuple[str, ...] = SLEEP_TAGS) -> None:
+        """Raise naming what to wake when a part ``what`` needs sleeps (by default: any part)."""
+        if not self.asleep:
+            return
+        parts = [tag for tag in SLEEP_TAGS if tag in self.asleep and tag in needs]
+        if parts:
+            raise RuntimeError(
+                f"{what}: the engine is asleep ({' and '.join(parts)} freed by sleep): "
+                f"call wake_up() or wake_up(tags={parts}) first"
+            )
+
     def _prepare(self, prompts, sampling_params, stream: bool, lora_request) -> list[Request]:
         if self.executor is None:
             raise RuntimeError("this engine has been shut down")
+        self._check_awake("stream" if stream else "generate")
         if lora_request is not None:
             raise ValueError("lora_request is not supported: LoRA adapters are not implemented")
         return self._new_requests(prompts, sampling_params, stream)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config
+from nanovllm.config import SLEEP_TAGS, Config
 from nanovllm.execution.compile import compile_elementwise_ops
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.kv_cache import KVCache
@@ -17,6 +17,7 @@ from nanovllm.execution.loader import build_model
 from nanovllm.execution.logprobs import LogprobTensors, prompt_logprobs, to_host, token_logprobs
 from nanovllm.execution.platform import rank_device
 from nanovllm.execution.sampler import Sampler
+from nanovllm.execution.sleep import OffloadedWeights
 from nanovllm.execution.step_inputs import StepInputBuilder, StepInputs
 from nanovllm.execution.token_bitmask import BitmaskUpload
 from nanovllm.layers.parallel import TPGroup
@@ -131,9 +132,18 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         num_blocks = KVCache.num_blocks_to_allocate(config, self.device, self.tp, self._profile_peak_bytes)
         self.kv_cache = KVCache(self.model, num_blocks, config, self.device)
+        self.uses_graphs = (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and self.kv_cache.layers[0].backend.supports_cuda_graphs
+        )
+        """Whether decode steps replay CUDA graphs (captured again after sleep mode)."""
+        self.asleep: set[str] = set()
+        """What :meth:`sleep` freed (of :data:`SLEEP_TAGS`) and :meth:`wake_up` has not restored."""
+        self.offloaded: OffloadedWeights | None = None
         if self.device.type == "cuda":
             self._warm_up()
-            if not config.enforce_eager and self.kv_cache.layers[0].backend.supports_cuda_graphs:
+            if self.uses_graphs:
                 self.graphs = self._capture_decode_graphs()
 
     @property
@@ -230,6 +240,45 @@ class ModelRunner:
             dist.broadcast(self.last_sampled, src=0)
         pending.sampled_as(sampled, logprobs)
         self.unsampled = None
+
+    # --- sleep mode --------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free this rank's device memory (``LLM.sleep``): the decode graphs, the KV cache
+        (its contents are lost) and the weights, copied to CPU memory first at level 1 and
+        dropped at level 2 (buffers are kept: no checkpoint holds them). A part asleep stays so."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {level!r}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        if "kv_cache" not in self.asleep:
+            self.kv_cache.release()
+            self.asleep.add("kv_cache")
+        if "weights" not in self.asleep:
+            self.offloaded = OffloadedWeights(self.model, self.device, keep_parameters=level == 1)
+            self.asleep.add("weights")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what :meth:`sleep` freed, all of it or the parts ``tags`` names: "weights"
+        (new device memory, holding the saved values after level 1) and "kv_cache" (as many
+        blocks as before, zeroed); the decode graphs are captured again once both are back."""
+        tags = SLEEP_TAGS if tags is None else tags
+        unknown = set(tags) - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"wake_up tags {sorted(unknown)} are unknown: the tags are {list(SLEEP_TAGS)}")
+        if "weights" in tags and "weights" in self.asleep:
+            self.offloaded.restore()
+            self.offloaded = None
+            self.asleep.remove("weights")
+        if "kv_cache" in tags and "kv_cache" in self.asleep:
+            self.kv_cache = KVCache(self.model, self.kv_cache.num_blocks, self.config, self.device)
+            self.asleep.remove("kv_cache")
+        if not self.asleep and self.uses_graphs and self.graphs is None:
+            self.graphs = self._capture_decode_graphs()
 
     def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> Any:
         """``func`` on this rank's model (``LLM.apply_model``)."""
