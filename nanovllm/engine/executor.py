@@ -35,6 +35,12 @@ class Executor(Protocol):
         """Start one step; steps run in launch order."""
         ...
 
+    def load_weights(self, weights: list[tuple[str, Any]]) -> list[str]:
+        """Copy ``(hf_name, tensor)`` pairs into the model in place on every rank, after checking
+        every one (``ValueError`` naming the bad ones before anything is written); returns the
+        names loaded."""
+        ...
+
     def collective_rpc(
         self,
         method: str | Callable,

@@ -5,7 +5,7 @@ import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from itertools import count
 from typing import Any
@@ -292,6 +292,34 @@ class LLMEngine:
         with self._idle("collective_rpc"):
             self._check_awake("collective_rpc")
             return self.executor.collective_rpc(method, args, kwargs, timeout)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> list[str]:
+        """Update the model in place from ``(hf_name, tensor)`` pairs (Hugging Face names, as
+        ``named_parameters()`` or a state dict's ``items()`` give them; tensors on the CPU or the
+        engine's device), on every tensor-parallel rank through the start-up loaders (packed
+        q/k/v and gate/up, experts, shards; a tied head's copy is skipped). The pairs are read
+        whole and checked first: an unknown name, a wrong shape or dtype raises ``ValueError``
+        naming it, with nothing written. Then they are copied one at a time, and cached prefixes
+        are dropped. Returns the names loaded."""
+        if self.executor is None:
+            raise RuntimeError("this engine has been shut down")
+        with self._idle("load_weights"):
+            self._check_awake("load_weights", needs=("weights",))
+            loaded = self.executor.load_weights(list(weights))
+            self.scheduler.forget_cached_prefixes()
+        return loaded
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's); False, changing nothing, while requests run."""
+        if not self.busy.acquire(blocking=False):
+            return False
+        try:
+            if not self.is_finished():
+                return False
+            self.scheduler.forget_cached_prefixes()
+            return True
+        finally:
+            self.busy.release()
 
     @contextlib.contextmanager
     def _idle(self, what: str) -> Iterator[None]:

@@ -3,7 +3,8 @@ per-parameter ``weight_loader``s."""
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from glob import glob
 
 import torch
@@ -73,6 +74,57 @@ def checkpoint_tensors(path: str) -> Iterator[tuple[str, str, torch.Tensor]]:
             raise ValueError(f"{file} is not a readable safetensors file: {e}") from e
 
 
+@dataclass(slots=True)
+class WeightTarget:
+    """Where one Hugging Face tensor goes: a parameter (by our name), through its loader, and
+    for a packed parameter, which part (``shard_id``)."""
+
+    param_name: str
+    param: nn.Parameter
+    loader: Callable
+    shard_id: object = None
+
+    def load(self, tensor: torch.Tensor, param: nn.Parameter | None = None) -> None:
+        param = self.param if param is None else param
+        if self.shard_id is None:
+            self.loader(param, tensor)
+        else:
+            self.loader(param, tensor, self.shard_id)
+
+    def check(self, tensor: torch.Tensor) -> None:
+        """Load ``tensor`` into a meta copy of the parameter: the loader's shape and dtype checks
+        run (``ValueError``), nothing is written and no memory is touched."""
+        meta = nn.Parameter(torch.empty_like(self.param, device="meta"), requires_grad=False)
+        self.load(tensor.to("meta"), meta)
+
+
+class WeightMap:
+    """Hugging Face tensor names to the model's parameters: packed modules (q/k/v, gate/up,
+    experts) routed to their fused parameter, a tied head's copy and old rotary buffers ignored."""
+
+    def __init__(self, model: nn.Module):
+        self.packed = getattr(model, "packed_modules_mapping", {})
+        self.params = dict(model.named_parameters())
+        self.tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(self.params)
+
+    def target(self, name: str) -> WeightTarget | None:
+        """Where ``name`` goes; None for a tensor that carries nothing new (a tied head's copy,
+        a rotary buffer). ``KeyError`` when the model has no place for it."""
+        for source, (target, shard_id) in self.packed.items():
+            if source in name:
+                param_name = name.replace(source, target)
+                param = self.params.get(param_name)
+                if param is None:
+                    raise KeyError(name)
+                return WeightTarget(param_name, param, param.weight_loader, shard_id)
+        param = self.params.get(name)
+        if param is None:
+            if name in self.tied or name.endswith("rotary_emb.inv_freq"):
+                return None
+            raise KeyError(name)
+        return WeightTarget(name, param, getattr(param, "weight_loader", default_weight_loader))
+
+
 def load_model(model: nn.Module, path: str) -> None:
     """Copy every tensor of the checkpoint in ``path`` into ``model``, routing packed modules.
 
@@ -81,58 +133,86 @@ def load_model(model: nn.Module, path: str) -> None:
     norm we do not implement would otherwise be dropped silently), or when a parameter, or a
     part of a packed one, received no weight.
     """
-    packed = getattr(model, "packed_modules_mapping", {})
-    params = dict(model.named_parameters())
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(params)
+    weights = WeightMap(model)
     loaded: set[str] = set()
     parts: dict[str, set] = {}  # packed parameter -> the parts it received
     unused: list[str] = []
     for file, name, tensor in checkpoint_tensors(path):
-        for source, (target, shard_id) in packed.items():
-            if source in name:
-                param_name = name.replace(source, target)
-                param = params.get(param_name)
-                if param is None:
-                    unused.append(name)
-                else:
-                    _load(file, name, param.weight_loader, param, tensor, shard_id)
-                    loaded.add(param_name)
-                    parts.setdefault(param_name, set()).add(shard_id)
-                break
-        else:
-            param = params.get(name)
-            if param is None:
-                # a tied head's copy, or the rotary buffers of old checkpoints, carry nothing new
-                if name not in tied and not name.endswith("rotary_emb.inv_freq"):
-                    unused.append(name)
-                continue
-            _load(file, name, getattr(param, "weight_loader", default_weight_loader), param, tensor)
-            loaded.add(name)
+        try:
+            target = weights.target(name)
+        except KeyError:
+            unused.append(name)
+            continue
+        if target is None:
+            continue
+        _load(file, name, target, tensor)
+        loaded.add(target.param_name)
+        if target.shard_id is not None:
+            parts.setdefault(target.param_name, set()).add(target.shard_id)
     if unused:
         raise ValueError(
             f"checkpoint {path!r} holds tensors this model has no place for: {sorted(unused)[:8]}; "
             "nanovllm does not run a checkpoint it would read only in part"
         )
-    missing = sorted(set(params) - loaded) + _missing_parts(packed, parts)
+    missing = sorted(set(weights.params) - loaded) + _missing_parts(weights.packed, parts)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for: {missing[:8]}")
 
 
-def _load(file: str, name: str, weight_loader, *args) -> None:
+Weights = list[tuple[str, torch.Tensor]]
+
+
+def plan_weight_update(model: nn.Module, weights: Weights) -> list[tuple[str, WeightTarget, torch.Tensor]]:
+    """Where each ``(hf_name, tensor)`` of an update goes, every one checked first (its name,
+    shape and dtype) without writing: ``ValueError`` naming the bad ones. A tied head's copy is
+    skipped, as at start-up."""
+    router = WeightMap(model)
+    plan, unknown, bad = [], [], []
+    for item in weights:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+            raise ValueError(f"weights must be (name, tensor) pairs, got {item!r:.80}")
+        name, tensor = item
+        try:
+            target = router.target(name)
+        except KeyError:
+            unknown.append(name)
+            continue
+        if target is None:
+            continue
+        try:
+            target.check(tensor)
+        except ValueError as error:
+            bad.append(f"{name!r} {error}")
+            continue
+        plan.append((name, target, tensor))
+    if unknown or bad:
+        problems = ([f"names the model has no place for: {unknown[:8]}"] if unknown else []) + bad[:8]
+        raise ValueError("load_weights wrote nothing: " + "; ".join(problems))
+    return plan
+
+
+def _load(file: str, name: str, target: WeightTarget, tensor: torch.Tensor) -> None:
     try:
-        weight_loader(*args)
+        target.load(tensor)
     except ValueError as e:
         raise ValueError(f"{file}: tensor {name!r} {e}") from None
 
 
 def _missing_parts(packed: dict, parts: dict[str, set]) -> list[str]:
-    """The checkpoint tensors a packed parameter did not receive, by their own names."""
+    """The checkpoint tensors a packed parameter did not receive, by their own names (one that
+    came whole, in transformers' stacked-experts layout, lacks none)."""
     missing = []
     for param_name, got in parts.items():
+        if any(_is_whole_stack(shard_id) for shard_id in got):
+            continue
         for source, (target, shard_id) in packed.items():
-            if target in param_name and shard_id not in got:
+            if target in param_name and shard_id not in got and not _is_whole_stack(shard_id):
                 missing.append(param_name.replace(target, source))
     return missing
+
+
+def _is_whole_stack(shard_id) -> bool:
+    return isinstance(shard_id, tuple) and shard_id[0] is None
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

@@ -13,7 +13,7 @@ from nanovllm.config import SLEEP_TAGS, Config
 from nanovllm.execution.compile import compile_elementwise_ops
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.kv_cache import KVCache
-from nanovllm.execution.loader import build_model
+from nanovllm.execution.loader import WeightMap, Weights, build_model, plan_weight_update
 from nanovllm.execution.logprobs import LogprobTensors, prompt_logprobs, to_host, token_logprobs
 from nanovllm.execution.platform import rank_device
 from nanovllm.execution.sampler import Sampler
@@ -240,6 +240,30 @@ class ModelRunner:
             dist.broadcast(self.last_sampled, src=0)
         pending.sampled_as(sampled, logprobs)
         self.unsampled = None
+
+    @torch.inference_mode()
+    def load_weights(self, weights: Weights) -> list[str]:
+        """One rank alone: check every ``(hf_name, tensor)``, then copy each in place (the
+        parameters keep their storage, so CUDA graphs stay valid). Returns the names loaded."""
+        plan = plan_weight_update(self.model, weights)
+        for _, target, tensor in plan:
+            target.load(tensor)
+        return [name for name, _, _ in plan]
+
+    @torch.inference_mode()
+    def broadcast_weights(self, entries: list[tuple[str, tuple, torch.dtype]], tensors=None) -> None:
+        """Every rank at once: each tensor of an update (checked on rank 0, which holds
+        ``tensors``), broadcast from rank 0 one at a time, loaded into this rank's shard."""
+        router = WeightMap(self.model)
+        for i, (name, shape, dtype) in enumerate(entries):
+            if self.tp.rank == 0:
+                tensor = tensors[i].detach().to(self.device).contiguous()
+            else:
+                tensor = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.broadcast(tensor, src=0)
+            target = router.target(name)
+            if target is not None:
+                target.load(tensor)
 
     # --- sleep mode --------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:

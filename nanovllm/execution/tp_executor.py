@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 from nanovllm.config import Config
 from nanovllm.execution import rpc
+from nanovllm.execution.loader import Weights, plan_weight_update
 from nanovllm.execution.model_runner import ModelRunner, PendingOutput
 from nanovllm.execution.worker import Channel, connect_store, worker_main
 from nanovllm.scheduling import StepBatch
@@ -240,6 +241,28 @@ class TPExecutor:
                 if explained is error:
                     raise
                 raise explained from error
+
+    # --- weights ---------------------------------------------------------------------------
+    def load_weights(self, weights: Weights) -> list[str]:
+        """Copy ``(hf_name, tensor)`` pairs into the model on every rank, in place, after
+        checking them all (``ValueError`` before anything is written); the names loaded."""
+        if self.runner is None:
+            raise RuntimeError("this executor has been closed")
+        if self.size == 1:
+            return self.runner.load_weights(weights)
+        plan = plan_weight_update(self.runner.model, weights)
+        entries = [(name, tuple(tensor.shape), tensor.dtype) for name, _, tensor in plan]
+        if self.broken:
+            self._restart()
+        self._wait_until_read()
+        with sigint_deferred():
+            try:
+                self._post("broadcast_weights", (entries,))
+                self.runner.broadcast_weights(entries, [tensor for _, _, tensor in plan])
+            except BaseException:
+                self.broken = True
+                raise
+        return [name for name, _, _ in plan]
 
     # --- calls on every rank ---------------------------------------------------------------
     def collective_rpc(

@@ -21,9 +21,28 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None]):
-        """``shard_id``: (expert, 0 for gate / 1 for up / None for down)."""
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int | None, int | None]
+    ):
+        """``shard_id``: (expert, 0 for gate / 1 for up / None for down); expert None: every
+        expert at once, as transformers keeps them in memory (``gate_up_proj`` ``[experts,
+        2 * intermediate, hidden]``, gate rows first; ``down_proj`` ``[experts, hidden,
+        intermediate]``)."""
         expert, half = shard_id
+        if expert is None:
+            if half is None:
+                copy_weight(param.data, shard_of(loaded, 2, self.tp, param.shape[2]))
+                return
+            inter = param.shape[1] // 2
+            if loaded.dim() != 3 or loaded.shape[1] != 2 * inter * self.tp.size:
+                raise ValueError(
+                    f"has shape {tuple(loaded.shape)}, expected {2 * inter * self.tp.size} along dimension 1"
+                )
+            for part, rows in enumerate(loaded.chunk(2, dim=1)):
+                copy_weight(
+                    param.data[:, part * inter : (part + 1) * inter], shard_of(rows, 1, self.tp, inter)
+                )
+            return
         if half is None:
             copy_weight(param.data[expert], shard_of(loaded, 1, self.tp, param.shape[2]))
             return

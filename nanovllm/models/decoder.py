@@ -171,7 +171,12 @@ class DecoderForCausalLM(nn.Module):
         num_experts = moe_settings(config)[0]
         if num_experts:  # each expert's projections go into the layer's stacked weights
             block, (gate, up, down) = arch.moe_block, arch.expert_names
-            experts = {}
+            # transformers' in-memory layout first (``named_parameters()`` of a training policy):
+            # its names hold "up_proj", which the dense gate/up mapping below would catch
+            experts = {
+                "mlp.experts.gate_up_proj": (f"{block}.experts.w13", (None, 0)),
+                "mlp.experts.down_proj": (f"{block}.experts.w2", (None, None)),
+            }
             for e in range(num_experts):
                 prefix = f"{block}.experts.{e}."
                 experts[f"{prefix}{gate}.weight"] = (f"{block}.experts.w13", (e, 0))
