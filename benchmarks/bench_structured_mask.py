@@ -55,10 +55,11 @@ def main() -> None:
         matcher = structured.matchers[seq.seq_id]
         for _ in range(rng.randrange(args.max_walk)):
             matcher.matcher().fill_next_token_bitmask(one, 0)
-            choices = [t for t in allowed_tokens(one[0], vocab) if t != eos]
-            if not choices:
+            choices = allowed_tokens(one[0], vocab)
+            choices = choices[choices != eos]
+            if not len(choices):
                 break
-            matcher.accept(int(rng.choice(choices)))
+            matcher.accept(int(choices[rng.randrange(len(choices))]))
     step = SimpleNamespace(seqs=seqs, batch=SimpleNamespace(structured_rows=list(range(args.rows))))
     fills = []
     for _ in range(args.repeats):
