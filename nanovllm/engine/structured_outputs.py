@@ -101,6 +101,9 @@ class StructuredOutputs:
                params.regex, tuple(params.choice or ()), params.grammar, params.json_object,
                params.disable_any_whitespace, params.whitespace_pattern)  # fmt: skip
         compiled = self._compiled.get(key)
+        if compiled is not None and compiled.done() and compiled.exception() is not None:
+            del self._compiled[key]
+            raise ValueError(f"the constraint cannot be compiled: {compiled.exception()}")
         if compiled is not None:
             self._compiled.move_to_end(key)
             return compiled

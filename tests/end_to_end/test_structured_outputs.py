@@ -308,3 +308,19 @@ def test_cuda_greedy_equals_hf_with_xgrammar_processor(json_model_dir, tokenizer
                     json_model_dir, prompt, compiled, tokenizer.eos_token_id, MAX_TOKENS
                 )
                 assert output.outputs[0].token_ids == expected, kind
+
+
+def test_a_grammar_that_fails_to_compile_aborts_its_call_then_is_refused_up_front(llm, monkeypatch):
+    def broken(*spec):
+        raise RuntimeError("compiler out of memory")
+
+    monkeypatch.setattr(llm.llm_engine.structured_outputs, "_compile", broken)
+    params = SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="zz+")
+    )
+    with pytest.raises(RuntimeError, match="compiler out of memory"):
+        llm.generate(["Hello"], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 0: structured_outputs: the constraint cannot be compiled"):
+        llm.generate(["Hello"], params, use_tqdm=False)
+    monkeypatch.undo()
+    assert llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].text.startswith("zz")
