@@ -1,0 +1,265 @@
+"""FP8 (e4m3) linear layers: activations quantized on the fly, weights block- or channel-scaled.
+
+Layouts, as in Qwen3-*-FP8 / DeepSeek checkpoints (``"weight_block_size": [128, 128]``):
+
+- activations ``x [M, K]`` per token and group of ``group`` (128) input features:
+  ``x ~ x_fp8 * scales[m, k // group]``, the scale ``max |x| over the group / 448``;
+- weights ``w [N, K]`` per 128 x 128 block: ``w ~ w_fp8 * scale_inv[n // 128, k // 128]``
+  (the checkpoints' ``weight_scale_inv``: it multiplies, despite its name);
+- or per output channel, ``w ~ w_fp8 * scale[n]`` (``LLM(quantization="fp8")`` from a 16-bit
+  checkpoint), with per-token activations: ``torch._scaled_mm``'s row-wise product, of which
+  :func:`fp8_channel_gemm_ref` is the reference.
+
+Quantizing divides by the scale, clamps to e4m3's +-448 and rounds to nearest, ties to even (as
+``.to(torch.float8_e4m3fn)`` does); a scale is never below :data:`MIN_SCALE`, so an all-zero group
+quantizes to zeros. The block-scaled GEMM walks K one scale group at a time: an fp8 ``tl.dot``
+with fp32 output per group, times the group's activation and weight scales, summed in fp32.
+"""
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.device import capability
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+MIN_SCALE = torch.finfo(torch.float32).tiny  # float32's smallest normal
+GROUP = 128  # input features per scale of the block GEMM; 128 x 128 weight blocks
+_QUANT_TILE = 1024  # elements per program of the quantizer (whole groups, at least one)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _dequantize_ref(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``q`` in float32, each ``block[0] x block[1]`` block times its entry of ``scales``."""
+    rows, cols = q.shape
+    full = scales.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return q.float() * full[:rows, :cols]
+
+
+def _quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [R, C]`` scaled per ``block`` (edge blocks shorter): ``(x_fp8, scales)``."""
+    if x.dim() != 2:
+        raise ValueError(f"expected a 2-d tensor, got shape {tuple(x.shape)}")
+    (rows, cols), (br, bc) = x.shape, block
+    nr, nc = triton.cdiv(rows, br), triton.cdiv(cols, bc)
+    padded = F.pad(x.float(), (0, nc * bc - cols, 0, nr * br - rows)).view(nr, br, nc, bc)
+    scales = (padded.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (padded / scales[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(nr * br, nc * bc)[:rows, :cols].contiguous(), scales
+
+
+def quantize_per_token_group_ref(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference: ``x [M, K]`` to ``(x_fp8 [M, K], scales [M, ceil(K / group)] float32)``
+    (the last group shorter when ``group`` does not divide K; ``group = K``: per token)."""
+    return _quantize_blocks_ref(x, (1, group))
+
+
+def quantize_weight_per_channel_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` to ``(w_fp8 [N, K], scale [N] float32)``, one scale per output channel."""
+    q, scale = _quantize_blocks_ref(w, (1, w.shape[-1]))
+    return q, scale.view(-1)
+
+
+def quantize_weight_blockwise_ref(
+    w: torch.Tensor, block: tuple[int, int] = (GROUP, GROUP)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` to ``(w_fp8 [N, K], scale_inv [ceil(N / block[0]), ceil(K / block[1])] float32)``,
+    as Qwen3-*-FP8 checkpoints hold their linear weights."""
+    return _quantize_blocks_ref(w, block)
+
+
+def dequantize_blockwise_ref(
+    q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (GROUP, GROUP)
+) -> torch.Tensor:
+    """float32 values of ``q`` scaled per ``block``: weights as stored, activations with
+    ``block = (1, group)``."""
+    return _dequantize_ref(q, scales, block)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """fp32 ``v`` (|v| <= 448) rounded to e4m3's grid, ties to even, still fp32: the cast that
+    follows is then exact on every backend (Triton's interpreter rounds ties away from zero and
+    can lose the carry into the exponent: 127.9 to 64)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32) - 127, -6)  # -6: e4m3's least normal
+    # 2^(exp + 20): the sum's ulp is e4m3's at exponent exp, so the add rounds as e4m3 does
+    magic = ((exp + 147) << 23).to(tl.float32, bitcast=True)
+    r = (tl.abs(v) + magic) - magic
+    return (r.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["K", "num_groups", "stride_xm"])
+def _quantize_group_kernel(
+    x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm,
+    GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr, FMAX: tl.constexpr,
+    SMIN: tl.constexpr,
+):  # fmt: skip
+    """Row ``program_id(0)``, groups ``GROUPS * program_id(1) ...`` as a ``[GROUPS, BLOCK]`` tile."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    j = tl.arange(0, BLOCK)
+    cols = g[:, None] * GROUP_SIZE + j[None, :]
+    mask = (j[None, :] < GROUP_SIZE) & (cols < K)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), FMAX), SMIN)
+    v = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
+    tl.store(q_ptr + row * K + cols, _round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * num_groups + g, scale, mask=g < num_groups)
+
+
+def quantize_per_token_group(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`quantize_per_token_group_ref` (bit for bit on finite inputs);
+    ``x`` fp32/fp16/bf16 with a unit stride in its last dimension. Outputs are contiguous."""
+    if x.dim() != 2 or x.dtype not in OUT_DTYPES:
+        raise ValueError(f"x must be a 2-d fp32/fp16/bf16 tensor: {x.dtype}, {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        raise ValueError("x needs a unit stride in the last dimension")
+    if group < 1:
+        raise ValueError(f"group must be positive: {group}")
+    m, k = x.shape
+    num_groups = triton.cdiv(k, group)
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scales = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
+    if not m or not k:
+        return q, scales
+    block = triton.next_power_of_2(group)
+    groups = max(1, min(_QUANT_TILE // block, triton.next_power_of_2(num_groups)))
+    _quantize_group_kernel[(m, triton.cdiv(num_groups, groups))](
+        x, q, scales, k, num_groups, x.stride(0),
+        GROUP_SIZE=group, BLOCK=block, GROUPS=groups, FMAX=FP8_MAX, SMIN=MIN_SCALE,
+        num_warps=min(16, max(4, block * groups // 256)),
+    )  # fmt: skip
+    return q, scales
+
+
+def fp8_block_gemm_ref(
+    a_fp8: torch.Tensor,
+    a_scales: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Plain-torch reference: ``a [M, K]`` scaled per token and 128 features (``a_scales
+    [M, ceil(K / 128)]``) times ``w [N, K]`` scaled per 128 x 128 block (``w_scale_inv
+    [ceil(N / 128), ceil(K / 128)]``), transposed: ``[M, N]``, both dequantized to fp32, one fp32
+    matmul, rounded once to ``out_dtype``."""
+    a = _dequantize_ref(a_fp8, a_scales, (1, GROUP))
+    w = _dequantize_ref(w_fp8, w_scale_inv, (GROUP, GROUP))
+    return (a @ w.T).to(out_dtype)
+
+
+def fp8_channel_gemm_ref(
+    a_fp8: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Reference of the per-token x per-channel product (``torch._scaled_mm`` with row-wise
+    scales): ``(a_fp8 @ w_fp8.T)`` in fp32, times ``a_scale [M]`` (or ``[M, 1]``) down the rows and
+    ``w_scale [N]`` along the columns, rounded once to ``out_dtype``."""
+    acc = a_fp8.float() @ w_fp8.float().T
+    return (acc * a_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)).to(out_dtype)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_block_gemm_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
+    stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_wsk, stride_om,
+    SCALE_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """One ``[BLOCK_M, BLOCK_N]`` output tile; tiles launched ``GROUP_M`` row tiles per column
+    tile, so neighbouring programs share weight tiles in L2."""
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    pid, per_group = tl.program_id(0), GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = m < M, n < N
+    a_ptrs = a_ptr + m.to(tl.int64)[:, None] * stride_am + k[None, :]
+    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
+    as_ptrs = as_ptr + m * stride_asm
+    ws_ptrs = ws_ptr + (n // SCALE_GROUP) * stride_wsn  # a column tile may span two weight blocks
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k[None, :] < K - k0  # past K: zeros, which add nothing
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
+        g = k0 // SCALE_GROUP  # BLOCK_K divides the group: one scale per row / column per step
+        a_s = tl.load(as_ptrs + g * stride_ask, mask=m_ok, other=0.0)
+        w_s = tl.load(ws_ptrs + g * stride_wsk, mask=n_ok, other=0.0)
+        acc += tl.dot(a, w.T) * a_s[:, None] * w_s[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ptrs = out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_block_gemm_config(m: int) -> dict:
+    """Tiles for ``m`` rows (untuned defaults for Hopper, to be swept): decode-sized ``m`` takes
+    thin tiles so that enough programs stream the weight, larger ``m`` squarer ones."""
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5)
+    if m <= 64:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+    if m <= 256:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def fp8_block_gemm(
+    a_fp8: torch.Tensor,
+    a_scales: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`fp8_block_gemm_ref` (same arguments; fp32 sums in another order).
+    ``a_fp8`` and ``w_fp8`` need a unit stride in their last dimension; the scales may have any
+    strides. ``config`` overrides :func:`fp8_block_gemm_config`'s tiles: ``BLOCK_M``, ``BLOCK_N``
+    (powers of two >= 16), ``BLOCK_K`` (a power of two dividing 128, >= 32), ``GROUP_M``,
+    ``num_warps``, ``num_stages``. On CUDA it needs float8 tensor cores (sm_89+)."""
+    if a_fp8.dtype != FP8 or w_fp8.dtype != FP8:
+        raise ValueError(f"a_fp8 and w_fp8 must be float8_e4m3fn: {a_fp8.dtype}, {w_fp8.dtype}")
+    if a_fp8.dim() != 2 or w_fp8.dim() != 2 or a_fp8.shape[1] != w_fp8.shape[1]:
+        raise ValueError(f"a [M, K] and w [N, K] do not fit: {tuple(a_fp8.shape)}, {tuple(w_fp8.shape)}")
+    (m, k), n = a_fp8.shape, w_fp8.shape[0]
+    groups = triton.cdiv(k, GROUP)
+    if a_scales.shape != (m, groups) or w_scale_inv.shape != (triton.cdiv(n, GROUP), groups):
+        raise ValueError(
+            f"scales {tuple(a_scales.shape)} / {tuple(w_scale_inv.shape)} must be [{m}, {groups}] / "
+            f"[{triton.cdiv(n, GROUP)}, {groups}]"
+        )
+    if a_scales.dtype != torch.float32 or w_scale_inv.dtype != torch.float32:
+        raise ValueError(f"scales must be float32: {a_scales.dtype}, {w_scale_inv.dtype}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be bf16, fp16 or fp32: {out_dtype}")
+    if a_fp8.stride(-1) != 1 or w_fp8.stride(-1) != 1:
+        raise ValueError("a_fp8 and w_fp8 need a unit stride in the last dimension")
+    if a_fp8.is_cuda and capability(a_fp8.device) < (8, 9):
+        raise ValueError("fp8_block_gemm needs float8 tensor cores (compute capability 8.9+)")
+    cfg = fp8_block_gemm_config(m) | (config or {})
+    if GROUP % cfg["BLOCK_K"] or cfg["BLOCK_K"] < 32:
+        raise ValueError(f"BLOCK_K must be a power of two >= 32 dividing {GROUP}: {cfg['BLOCK_K']}")
+    out = torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
+    if not m or not n:
+        return out
+    if not k:
+        return out.zero_()
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _fp8_block_gemm_kernel[grid](
+        a_fp8, a_scales, w_fp8, w_scale_inv, out, m, n, k,
+        a_fp8.stride(0), a_scales.stride(0), a_scales.stride(1), w_fp8.stride(0),
+        w_scale_inv.stride(0), w_scale_inv.stride(1), out.stride(0),
+        SCALE_GROUP=GROUP, **cfg,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,263 @@
+"""FP8 quantizer and block-scaled GEMM kernels vs their torch references (interpreter on CPU,
+compiled on CUDA); the references vs float64 arithmetic on the same quantized values, and the
+quantizers' round trips vs e4m3's precision."""
+
+import pytest
+import torch
+
+from nanovllm.kernels import fp8
+from tests.interpreter import DEVICE
+
+IN_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def as_bytes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def expand(scales: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
+    """float64 per-element scales by index arithmetic (not the module's repeat_interleave)."""
+    r, c = torch.arange(rows) // block[0], torch.arange(cols) // block[1]
+    return scales.cpu().double()[r][:, c]
+
+
+def exact_product(a_fp8, a_scales, a_block, w_fp8, w_scales, w_block):
+    """``(a @ w.T, |a| @ |w|.T)`` of the dequantized operands in float64: the product, and the sums
+    of absolute terms that bound its rounding errors."""
+    (m, k), n = a_fp8.shape, w_fp8.shape[0]
+    a = a_fp8.cpu().double() * expand(a_scales, m, k, a_block)
+    w = w_fp8.cpu().double() * expand(w_scales, n, k, w_block)
+    return a @ w.T, a.abs() @ w.abs().T
+
+
+def random_activations(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Columns of magnitudes from 1e-3 to 1e3 (groups of very different scales), a zero row."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, k)[torch.randperm(k, generator=gen)]
+    x[m // 2] = 0.0
+    return x.to(dtype)
+
+
+def check_quantizer(x: torch.Tensor, group: int):
+    q, s = fp8.quantize_per_token_group(x, group)
+    q_ref, s_ref = fp8.quantize_per_token_group_ref(x, group)
+    groups = -(-x.shape[1] // group)
+    assert q.dtype == fp8.FP8 and q.shape == x.shape and s.shape == (x.shape[0], groups)
+    assert torch.equal(as_bytes(q), as_bytes(q_ref))
+    assert torch.equal(s, s_ref)
+    return q, s
+
+
+@pytest.mark.parametrize("dtype", IN_DTYPES)
+@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize("k", [100, 256, 384])
+def test_quantizer_matches_reference(dtype, m, k):
+    x = random_activations(m, k, dtype, seed=m * k).to(DEVICE)
+    q, s = check_quantizer(x, 128)
+    # each nonzero group's largest element becomes +-448
+    x64 = x.cpu().double()
+    for g in range(s.shape[1]):
+        cols = slice(128 * g, 128 * (g + 1))
+        amax = x64[:, cols].abs().amax(1)
+        assert torch.equal(q[:, cols].cpu().float().abs().amax(1), torch.where(amax > 0, 448.0, 0.0).float())
+    if m > 1:
+        assert (q[m // 2].cpu().float() == 0).all() and (s[m // 2] == fp8.MIN_SCALE).all()
+
+
+@pytest.mark.parametrize("group", [32, 100, 512])
+def test_quantizer_other_groups_and_per_token(group):
+    x = random_activations(5, 300, torch.bfloat16, seed=group).to(DEVICE)
+    check_quantizer(x, group)
+    _, s = check_quantizer(x, 300)  # one group per token
+    assert s.shape == (5, 1)
+
+
+def test_quantizer_rounds_as_torch_casts():
+    """With a scale of 1 (448 in every group): each e4m3 value, each midpoint between neighbours
+    (ties: to the even one), the fp32 values either side of each midpoint, both signs, and
+    subnormals; the interpreter's own cast gets ties and carries into the exponent wrong."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(fp8.FP8).float()  # 0 ... 448
+    mid = (grid[:-1] + grid[1:]) / 2
+    vals = torch.cat([grid, mid, mid.nextafter(torch.tensor(0.0)), mid.nextafter(torch.tensor(1e3))])
+    vals = torch.cat([vals, -vals, torch.tensor([-0.0, 2.0**-10, 3 * 2.0**-10, 447.9, 2.0**-126])])
+    pad = (-len(vals)) % 127
+    x = torch.cat([vals, torch.zeros(pad)]).view(-1, 127)
+    x = torch.cat([x, torch.full((x.shape[0], 1), 448.0)], dim=1).to(DEVICE)
+    q, s = check_quantizer(x, 128)
+    assert (s == 1).all()
+    got = q.cpu()[:, :127].reshape(-1)[: len(vals)]
+    assert as_bytes(got)[len(vals) - 5].item() == 0x80  # -0.0 keeps its sign
+    got = got.float()
+    ties = got[len(grid) : len(grid) + len(mid)]
+    assert (torch.frexp(ties[ties > 2.0**-6]).mantissa * 16 % 2 == 0).all()  # even 3-bit mantissa
+    assert torch.equal(got[: len(grid)], grid)
+
+
+@pytest.mark.parametrize("dtype", IN_DTYPES)
+def test_quantizer_large_magnitudes(dtype):
+    big = {torch.bfloat16: 3e38, torch.float16: 65504.0, torch.float32: 3.4e38}[dtype]
+    x = random_activations(6, 256, torch.float32, seed=1)
+    x[0, :128] *= big / x[0, :128].abs().max()
+    x[1] = big
+    x[2, 5] = -big
+    x[3] *= 1e-30 if dtype != torch.float16 else 1e-4
+    q, s = check_quantizer(x.to(dtype).to(DEVICE), 128)
+    assert q.cpu().float().isfinite().all() and s.isfinite().all()
+
+
+@pytest.mark.parametrize("dtype", IN_DTYPES)
+def test_quantizer_strided_rows_and_empty(dtype):
+    wide = random_activations(9, 400, dtype, seed=3).to(DEVICE)
+    check_quantizer(wide[::2, 10:310], 128)
+    q, s = fp8.quantize_per_token_group(wide[:0], 128)
+    assert q.shape == (0, 400) and s.shape == (0, 4)
+
+
+def test_quantizer_bad_inputs():
+    with pytest.raises(ValueError, match="2-d"):
+        fp8.quantize_per_token_group(torch.zeros(2, 3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="2-d"):
+        fp8.quantize_per_token_group(torch.zeros(2, 4, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="unit stride"):
+        fp8.quantize_per_token_group(torch.zeros(4, 8, device=DEVICE).t())
+    with pytest.raises(ValueError, match="group"):
+        fp8.quantize_per_token_group(torch.zeros(4, 8, device=DEVICE), 0)
+
+
+def within_e4m3(deq: torch.Tensor, x: torch.Tensor, scale: torch.Tensor):
+    """Round trip within half an e4m3 ulp: 2^-4 relative among normals, 2^-10 * scale below."""
+    err = (deq.double() - x.double()).abs()
+    assert (err <= torch.maximum(x.double().abs() * 2.0**-4, scale.double() * 2.0**-10)).all()
+
+
+def test_round_trips():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 200, generator=gen) * torch.logspace(-4, 2, 300)[:, None]
+    w_fp8, scale_inv = fp8.quantize_weight_blockwise_ref(w)
+    assert w_fp8.dtype == fp8.FP8 and scale_inv.shape == (3, 2) and scale_inv.dtype == torch.float32
+    within_e4m3(fp8.dequantize_blockwise_ref(w_fp8, scale_inv), w, expand(scale_inv, 300, 200, (128, 128)))
+    w_fp8, scale = fp8.quantize_weight_per_channel_ref(w)
+    assert scale.shape == (300,) and scale.dtype == torch.float32
+    within_e4m3(w_fp8.double() * scale.double()[:, None], w, scale[:, None].expand(-1, 200))
+    x = random_activations(7, 300, torch.float32, seed=2)
+    q, s = fp8.quantize_per_token_group(x.to(DEVICE))
+    within_e4m3(fp8.dequantize_blockwise_ref(q, s, (1, 128)).cpu(), x, expand(s, 7, 300, (1, 128)))
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 128, 128), (16, 200, 320), (65, 384, 256)])
+def test_references_against_float64(m, n, k):
+    gen = torch.Generator().manual_seed(m + n + k)
+    a_fp8, a_scales = fp8.quantize_per_token_group_ref(torch.randn(m, k, generator=gen) * 3)
+    w_fp8, w_scale_inv = fp8.quantize_weight_blockwise_ref(torch.randn(n, k, generator=gen) * 0.02)
+    exact, bound = exact_product(a_fp8, a_scales, (1, 128), w_fp8, w_scale_inv, (128, 128))
+    ref = fp8.fp8_block_gemm_ref(a_fp8, a_scales, w_fp8, w_scale_inv, torch.float32)
+    assert ref.shape == (m, n) and ((ref.double() - exact).abs() <= 1e-5 * bound).all()
+    a_tok, a_scale = fp8.quantize_per_token_group_ref(torch.randn(m, k, generator=gen), k)
+    w_ch, w_scale = fp8.quantize_weight_per_channel_ref(torch.randn(n, k, generator=gen))
+    exact, bound = exact_product(a_tok, a_scale, (1, k), w_ch, w_scale[:, None], (1, k))
+    for scale in (a_scale, a_scale.view(-1)):
+        ref = fp8.fp8_channel_gemm_ref(a_tok, scale, w_ch, w_scale, torch.float32)
+        assert ((ref.double() - exact).abs() <= 1e-5 * bound).all()
+    assert fp8.fp8_channel_gemm_ref(a_tok, a_scale, w_ch, w_scale, torch.bfloat16).dtype == torch.bfloat16
+
+
+def gemm_operands(m, n, k, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-1, 1, k)
+    w = torch.randn(n, k, generator=gen) * 0.05 * torch.logspace(-1, 1, n)[:, None]
+    a_fp8, a_scales = fp8.quantize_per_token_group_ref(x)
+    w_fp8, w_scale_inv = fp8.quantize_weight_blockwise_ref(w)
+    return [t.to(device) for t in (a_fp8, a_scales, w_fp8, w_scale_inv)]
+
+
+def check_gemm(args, out_dtype, rel, config=None):
+    """Kernel vs reference, errors bounded relative to the sum of absolute terms; a 16-bit output
+    also within one ulp of the fp32 reference rounded to it (the interpreter truncates to bf16)."""
+    out = fp8.fp8_block_gemm(*args, out_dtype, config=config)
+    ref32 = fp8.fp8_block_gemm_ref(*args, torch.float32)
+    assert out.dtype == out_dtype and out.shape == ref32.shape
+    assert torch.equal(fp8.fp8_block_gemm_ref(*args, out_dtype), ref32.to(out_dtype))
+    a = fp8.dequantize_blockwise_ref(args[0], args[1], (1, 128)).abs()
+    bound = (a @ fp8.dequantize_blockwise_ref(args[2], args[3]).abs().T).cpu().double()
+    out, ref = out.cpu().double(), ref32.cpu().to(out_dtype).double()
+    tol = rel * bound
+    if out_dtype != torch.float32:
+        exponent = torch.frexp(ref32.cpu().double()).exponent - 1
+        tol = tol + torch.finfo(out_dtype).eps * torch.exp2(exponent.double())
+    err = (out - ref).abs()
+    assert (err <= tol).all(), (
+        f"max error {err.max().item():.3g}, relative to |a||w| {(err / bound).max():.3g}"
+    )
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 16, 65])
+@pytest.mark.parametrize("n", [128, 200, 384])
+@pytest.mark.parametrize("k", [128, 256, 320])
+def test_block_gemm_matches_reference(out_dtype, m, n, k):
+    check_gemm(gemm_operands(m, n, k, m * n + k, DEVICE), out_dtype, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(BLOCK_M=32, BLOCK_N=256, BLOCK_K=64, GROUP_M=2),  # a column tile over two weight blocks
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, GROUP_M=4),
+        dict(BLOCK_M=128, BLOCK_N=16, BLOCK_K=128, GROUP_M=1),
+    ],
+)
+def test_block_gemm_other_tiles_and_strides(config):
+    a_fp8, a_scales, w_fp8, w_scale_inv = gemm_operands(70, 300, 330, 7, DEVICE)
+    wide = torch.zeros(70, 400, dtype=torch.uint8, device=DEVICE)
+    wide[:, 5:335] = a_fp8.view(torch.uint8)
+    a_strided = wide.view(fp8.FP8)[:, 5:335]  # a row stride of 400
+    a_scales_t = a_scales.t().contiguous().t()  # column-major scales
+    check_gemm([a_strided, a_scales_t, w_fp8, w_scale_inv], torch.float32, 1e-5, config)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_block_gemm_16bit_outputs_and_quantized_activations(out_dtype):
+    x = random_activations(9, 256, out_dtype, seed=4).to(DEVICE)
+    a_fp8, a_scales = fp8.quantize_per_token_group(x)
+    w_fp8, w_scale_inv = gemm_operands(1, 130, 256, 5, DEVICE)[2:]
+    check_gemm([a_fp8, a_scales, w_fp8, w_scale_inv], out_dtype, 1e-5)
+
+
+def test_block_gemm_empty_and_bad_inputs():
+    a_fp8, a_scales, w_fp8, w_scale_inv = gemm_operands(3, 130, 200, 6, DEVICE)
+    assert fp8.fp8_block_gemm(a_fp8[:0], a_scales[:0], w_fp8, w_scale_inv, torch.bfloat16).shape == (0, 130)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8.fp8_block_gemm(a_fp8.float(), a_scales, w_fp8, w_scale_inv, torch.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8.fp8_block_gemm(a_fp8, a_scales, w_fp8[:, :128], w_scale_inv, torch.float32)
+    with pytest.raises(ValueError, match="scales"):
+        fp8.fp8_block_gemm(a_fp8, a_scales[:, :1], w_fp8, w_scale_inv, torch.float32)
+    with pytest.raises(ValueError, match="float32"):
+        fp8.fp8_block_gemm(a_fp8, a_scales.half(), w_fp8, w_scale_inv, torch.float32)
+    with pytest.raises(ValueError, match="out_dtype"):
+        fp8.fp8_block_gemm(a_fp8, a_scales, w_fp8, w_scale_inv, torch.int32)
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        fp8.fp8_block_gemm(a_fp8, a_scales, w_fp8, w_scale_inv, torch.float32, config=dict(BLOCK_K=256))
+
+
+# The compiled kernels on CUDA. The GEMM's tolerance is looser than on the CPU: Hopper's fp8 tensor
+# cores sum each 128-long group in reduced precision (about 14 bits) before the fp32 accumulation.
+GPU_GEMM_REL = 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", IN_DTYPES)
+@pytest.mark.parametrize("m, k", [(1, 4096), (4096, 4096), (333, 5000), (64, 25600)])
+@pytest.mark.parametrize("group", [128, None])  # None: per token
+def test_compiled_quantizer_matches_reference_on_cuda(dtype, m, k, group):
+    check_quantizer(random_activations(m, k, dtype, seed=k).to("cuda"), group or k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 200, 1024, 4096])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (6144, 4096), (4096, 12288), (1000, 1100)])
+def test_compiled_block_gemm_matches_reference_on_cuda(out_dtype, m, n, k):
+    check_gemm(gemm_operands(m, n, k, m + n + k, "cuda"), out_dtype, GPU_GEMM_REL)
