@@ -17,6 +17,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 VOCAB = 4096
 MAX_TOKENS = 40
+OPTIONS_CPU = dict(device="cpu", dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=16)
 RECORD = {
     "type": "object",
     "properties": {
@@ -324,3 +325,28 @@ def test_a_grammar_that_fails_to_compile_aborts_its_call_then_is_refused_up_fron
         llm.generate(["Hello"], params, use_tqdm=False)
     monkeypatch.undo()
     assert llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].text.startswith("zz")
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_ctrl_c_while_a_step_awaits_its_bitmask_leaves_the_engine_correct(json_model_dir, monkeypatch, tp):
+    """The forward pass is launched, its sampling waits for the bitmask: an interrupt there
+    (with two ranks, the worker waits inside the broadcast of samples) ends only that call."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS["regex"])
+    with LLM(json_model_dir, tensor_parallel_size=tp, **dict(OPTIONS_CPU)) as engine:
+        expected = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+        structured = engine.llm_engine.structured_outputs
+        fill, calls = structured.bitmask, [0]
+
+        def interrupted(step):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise KeyboardInterrupt
+            return fill(step)
+
+        monkeypatch.setattr(structured, "bitmask", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(PROMPTS, params, use_tqdm=False)
+        monkeypatch.undo()
+        assert engine.llm_engine.is_finished()
+        again = engine.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == expected
