@@ -143,7 +143,7 @@ def run_nanovllm(args, path, dummy, prompts, max_tokens) -> dict:
         async_scheduling=args.async_scheduling,
         mixed_steps=args.mixed_steps,
         kv_cache_dtype=args.kv_cache_dtype,
-        **given_options(args, "max_num_seqs", "kvcache_block_size"),
+        **given_options(args, "max_num_seqs", "kvcache_block_size", "quantization"),
     )
     print(f"nanovllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
     params = workload_params(args, SamplingParams, StructuredOutputsParams, max_tokens)
@@ -175,7 +175,7 @@ def run_vllm(args, path, dummy, prompts, max_tokens) -> dict:
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tp,
         kv_cache_dtype=args.kv_cache_dtype,
-        **given_options(args, "max_num_seqs"),
+        **given_options(args, "max_num_seqs", "quantization"),
     )
     print(f"vllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
     if args.structured == "none":
@@ -332,6 +332,9 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto", help='"auto" or "fp8" (nanovllm and vLLM)')
     parser.add_argument(
+        "--quantization", default=None, help='None or "fp8": weights in float8 (nanovllm and vLLM)'
+    )
+    parser.add_argument(
         "--max-num-seqs", type=int, default=None, help="running requests at most (default: each engine's own)"
     )
     parser.add_argument(
@@ -380,6 +383,8 @@ def main() -> None:
     engines = args.engine.split(",")
     if unknown := [e for e in engines if e not in ENGINES]:
         parser.error(f"unknown engine(s) {unknown}; choose from {list(ENGINES)}")
+    if args.quantization and "hf" in engines:
+        parser.error("--quantization: the hf engine runs the checkpoint's dtype (use nanovllm and/or vllm)")
     if args.structured != "none" and "hf" in engines:
         parser.error("--structured: the hf engine has no structured outputs (use nanovllm and/or vllm)")
     # (engine, extra options) per process: a constrained run also gets its unconstrained baseline

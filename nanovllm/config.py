@@ -16,6 +16,7 @@ from nanovllm.models.registry import (
     attention_dims,
     context_len,
     max_shared_prompt_len,
+    moe_settings,
     resolve_architecture,
 )
 
@@ -100,6 +101,10 @@ class Config:
     kv_cache_memory_bytes: int | None = None
     """The same in bytes (vLLM's name); set one of the two."""
     dtype: str = "auto"
+    quantization: str | None = None
+    """"fp8": the linear layers' weights quantized to float8 e4m3 as they load (one scale per
+    output channel), their inputs per token; embeddings, norms and the LM head stay in ``dtype``.
+    Dense models only, for now."""
     kv_cache_dtype: str = "auto"
     """"auto" stores K/V in ``dtype``; "fp8" (or "fp8_e4m3") in float8 e4m3 with a scale of
     1.0, as vLLM's default: half the bytes to read per decoded token, twice the tokens cached."""
@@ -166,6 +171,7 @@ class Config:
         if self.kvcache_block_size is None:
             resolve("kvcache_block_size", 256 if self.attention_backend == "flash_attn" else 128)
         resolve("kv_cache_dtype", self._resolve_kv_cache_dtype())
+        self._check_quantization()
         resolve("eos_token_ids", self._eos_ids())
         fixed = self.fixed_num_kvcache_blocks
         if fixed is not None:
@@ -315,6 +321,15 @@ class Config:
                 "TRITON_INTERPRET=1, for kernel development)"
             )
         return name
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported: None or 'fp8' (weights quantized "
+                "to float8 as they load); for another format, load the bf16/fp16 checkpoint"
+            )
+        if self.quantization and moe_settings(self.hf_config)[0]:
+            raise ValueError("quantization='fp8' is not implemented for mixture-of-experts models yet")
 
     def _resolve_kv_cache_dtype(self) -> str:
         """``dtype`` for "auto", else "fp8" (checked against the backend and the GPU)."""

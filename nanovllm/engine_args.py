@@ -23,7 +23,6 @@ ACCEPTED = {
 """Arguments that take any value here, and what they mean here."""
 
 REFUSED = {
-    "quantization": ((None,), "quantized weights are not implemented: load the bf16/fp16 checkpoint"),
     "enable_lora": ((False,), "LoRA adapters are not implemented: merge the adapter into the weights"),
     "revision": ((None,), "models load from local folders: pass the folder of that revision"),
     "tokenizer_revision": ((None,), "tokenizers load from local folders: pass tokenizer=<folder>"),

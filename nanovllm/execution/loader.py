@@ -28,7 +28,7 @@ def build_model(config: Config, tp: TPGroup, device: torch.device) -> nn.Module:
     torch.set_default_dtype(torch_dtype(config.dtype))
     try:
         with torch.device(device):
-            model = model_cls(config.hf_config, config.architecture, tp, backend)
+            model = model_cls(config.hf_config, config.architecture, tp, backend, config.quantization)
     finally:
         torch.set_default_dtype(default_dtype)
     if config.load_format == "dummy":
@@ -154,7 +154,8 @@ def load_model(model: nn.Module, path: str) -> None:
             f"checkpoint {path!r} holds tensors this model has no place for: {sorted(unused)[:8]}; "
             "nanovllm does not run a checkpoint it would read only in part"
         )
-    missing = sorted(set(weights.params) - loaded) + _missing_parts(weights.packed, parts)
+    expected = {name for name, param in weights.params.items() if not getattr(param, "derived", False)}
+    missing = sorted(expected - loaded) + _missing_parts(weights.packed, parts)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for: {missing[:8]}")
 
@@ -218,8 +219,13 @@ def _is_whole_stack(shard_id) -> bool:
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Small random weights (norms at 1) for benchmarking without a checkpoint."""
     for i, (name, param) in enumerate(model.named_parameters()):
-        if "norm" in name:
+        if "norm" in name or getattr(param, "derived", False):
             param.data.fill_(1.0)
         else:
             gen = torch.Generator(device=param.device).manual_seed(seed + i)
-            param.data.uniform_(-0.05, 0.05, generator=gen)
+            if param.dtype == torch.float8_e4m3fn:  # no uniform_ in float8: drawn in float32
+                param.data.copy_(
+                    torch.empty(param.shape, device=param.device).uniform_(-0.05, 0.05, generator=gen)
+                )
+            else:
+                param.data.uniform_(-0.05, 0.05, generator=gen)

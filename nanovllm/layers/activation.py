@@ -4,8 +4,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.fp8 import FP8
 from nanovllm.kernels.gate_up_silu import gate_up_silu, gate_up_silu_fits, gate_up_silu_ref
-from nanovllm.kernels.silu_and_mul import silu_and_mul
+from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from nanovllm.layers.fp8 import fp8_linear
 from nanovllm.layers.linear import ColumnParallelLinear
 from nanovllm.layers.parallel import TPGroup, copy_weight, shard_of
 
@@ -19,14 +21,19 @@ class GateUpSwiGLU(ColumnParallelLinear):
     and a separate SwiGLU kernel.
     """
 
-    def __init__(self, input_size: int, intermediate_size: int, tp: TPGroup = TPGroup()):
-        super().__init__(input_size, 2 * intermediate_size, False, tp)
+    def __init__(
+        self, input_size: int, intermediate_size: int, tp: TPGroup = TPGroup(), quant: str | None = None
+    ):
+        super().__init__(input_size, 2 * intermediate_size, False, tp, quant)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         rows = param.data[shard_id::2]
         copy_weight(rows, shard_of(loaded, 0, self.tp, rows.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == FP8:
+            y = fp8_linear(x, self.weight, self.weight_scale, None)
+            return silu_and_mul(y) if y.is_cuda else silu_and_mul_ref(y)
         if not x.is_cuda:
             return gate_up_silu_ref(x, self.weight)
         if gate_up_silu_fits(x, self.weight):

@@ -4,17 +4,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.fp8 import FP8
+from nanovllm.layers.fp8 import fp8_linear, quantize_weight
 from nanovllm.layers.parallel import TPGroup, copy_weight, divide, shard_of
 
 
 class LinearBase(nn.Module):
     """``y = x W^T (+ b)`` with W sharded along ``tp_dim`` (0: output, 1: input, None: whole)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup, tp_dim: int | None):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp: TPGroup,
+        tp_dim: int | None,
+        quant: str | None = None,
+    ):
         super().__init__()
         self.tp, self.tp_dim = tp, tp_dim
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        if quant == "fp8":  # see layers/fp8.py
+            self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8), requires_grad=False)
+            scale = torch.ones(output_size, dtype=torch.float32)
+            self.weight_scale = nn.Parameter(scale, requires_grad=False)
+            self.weight_scale.derived = True  # written with the weight: no checkpoint tensor of its own
+            self.weight.weight_loader = self.fp8_weight_loader
+        else:
+            self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -26,7 +43,19 @@ class LinearBase(nn.Module):
             loaded = shard_of(loaded, self.tp_dim, self.tp, param.shape[self.tp_dim])
         copy_weight(param.data, loaded)
 
+    def fp8_weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
+        """Quantize a checkpoint weight (per output channel, over whole rows), then route the FP8
+        rows and their scales as the model-dtype weight's loader routes its rows."""
+        weight, scale = quantize_weight(loaded)
+        type(self).weight_loader(self, param, weight, *shard_id)
+        target = (
+            self.weight_scale if not param.is_meta else torch.empty_like(self.weight_scale, device="meta")
+        )
+        type(self).weight_loader(self, target, scale, *shard_id)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == FP8:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -38,8 +67,15 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup()):
-        super().__init__(input_size, divide(output_size, tp.size), bias, tp, 0)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp: TPGroup = TPGroup(),
+        quant: str | None = None,
+    ):
+        super().__init__(input_size, divide(output_size, tp.size), bias, tp, 0, quant)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -53,11 +89,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads: int,
         bias: bool = False,
         tp: TPGroup = TPGroup(),
+        quant: str | None = None,
     ):
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp.size)
         self.num_kv_heads = divide(num_kv_heads, tp.size)
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp)
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp, quant)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -68,10 +105,20 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs summed with an all-reduce."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup()):
-        super().__init__(divide(input_size, tp.size), output_size, bias, tp, 1)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp: TPGroup = TPGroup(),
+        quant: str | None = None,
+    ):
+        super().__init__(divide(input_size, tp.size), output_size, bias, tp, 1, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, after the reduction
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        if self.weight.dtype == FP8:
+            y = self.tp.all_reduce(fp8_linear(x, self.weight, self.weight_scale, None))
+        else:
+            y = self.tp.all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y

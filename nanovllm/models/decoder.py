@@ -25,16 +25,23 @@ from nanovllm.models.registry import Architecture, attention_dims, context_len, 
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, arch: Architecture, tp: TPGroup, backend: AttentionBackend):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        arch: Architecture,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        quant: str | None,
+    ):
         super().__init__()
         num_heads, num_kv_heads, self.head_dim = attention_dims(config)
         self.num_heads = num_heads // tp.size
         self.num_kv_heads = num_kv_heads // tp.size
         qkv_bias, o_bias = arch.attention_biases(config)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, num_heads, num_kv_heads, qkv_bias, tp
+            config.hidden_size, self.head_dim, num_heads, num_kv_heads, qkv_bias, tp, quant
         )
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, o_bias, tp)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, o_bias, tp, quant)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend)
         self.has_qk_norm = arch.qk_norm
         if self.has_qk_norm:  # applied, with the rotary embedding, by the attention layer
@@ -56,11 +63,11 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TPGroup):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup, quant: str | None):
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = GateUpSwiGLU(config.hidden_size, size, tp)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp)
+        self.gate_up_proj = GateUpSwiGLU(config.hidden_size, size, tp, quant)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
@@ -96,14 +103,20 @@ def is_moe_layer(config: PretrainedConfig, index: int) -> bool:
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, arch: Architecture, tp: TPGroup, backend: AttentionBackend, index: int
+        self,
+        config: PretrainedConfig,
+        arch: Architecture,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        index: int,
+        quant: str | None = None,
     ):
         super().__init__()
-        self.self_attn = DecoderAttention(config, arch, tp, backend)
+        self.self_attn = DecoderAttention(config, arch, tp, backend, quant)
         # Hugging Face's attribute name, so that parameter names are the checkpoint's
         moe = is_moe_layer(config, index)
         self.ffn_name = arch.moe_block if moe else "mlp"
-        setattr(self, self.ffn_name, SparseMoeBlock(config, tp) if moe else DecoderMLP(config, tp))
+        setattr(self, self.ffn_name, SparseMoeBlock(config, tp) if moe else DecoderMLP(config, tp, quant))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -125,7 +138,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, arch: Architecture, tp: TPGroup, backend: AttentionBackend):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        arch: Architecture,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        quant: str | None = None,
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         theta, scaling = rope_settings(config)
@@ -133,7 +153,7 @@ class DecoderModel(nn.Module):
             attention_dims(config)[2], context_len(config), theta, scaling, config.max_position_embeddings
         )
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, arch, tp, backend, i) for i in range(config.num_hidden_layers)]
+            [DecoderLayer(config, arch, tp, backend, i, quant) for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -166,7 +186,14 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig, arch: Architecture, tp: TPGroup, backend: AttentionBackend):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        arch: Architecture,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        quant: str | None = None,
+    ):
         super().__init__()
         num_experts = moe_settings(config)[0]
         if num_experts:  # each expert's projections go into the layer's stacked weights
@@ -183,7 +210,7 @@ class DecoderForCausalLM(nn.Module):
                 experts[f"{prefix}{up}.weight"] = (f"{block}.experts.w13", (e, 1))
                 experts[f"{prefix}{down}.weight"] = (f"{block}.experts.w2", (e, None))
             self.packed_modules_mapping = experts | type(self).packed_modules_mapping
-        self.model = DecoderModel(config, arch, tp, backend)
+        self.model = DecoderModel(config, arch, tp, backend, quant)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
