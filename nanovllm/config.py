@@ -15,6 +15,7 @@ from nanovllm.models.registry import (
     Architecture,
     attention_dims,
     context_len,
+    is_fp8_block_checkpoint,
     max_shared_prompt_len,
     moe_settings,
     resolve_architecture,
@@ -322,7 +323,15 @@ class Config:
             )
         return name
 
+    @property
+    def linear_weights(self) -> str | None:
+        """How the decoder's linear layers hold their weights: None (``dtype``), "fp8" (quantized
+        as they load) or "fp8_block" (an FP8 checkpoint's blocks, as stored)."""
+        return "fp8_block" if is_fp8_block_checkpoint(self.hf_config) else self.quantization
+
     def _check_quantization(self) -> None:
+        if self.quantization is None and is_fp8_block_checkpoint(self.hf_config):
+            object.__setattr__(self, "quantization", "fp8")  # vLLM reads it from the checkpoint too
         if self.quantization not in (None, "fp8"):
             raise ValueError(
                 f"quantization={self.quantization!r} is not supported: None or 'fp8' (weights quantized "

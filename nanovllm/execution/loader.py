@@ -28,7 +28,7 @@ def build_model(config: Config, tp: TPGroup, device: torch.device) -> nn.Module:
     torch.set_default_dtype(torch_dtype(config.dtype))
     try:
         with torch.device(device):
-            model = model_cls(config.hf_config, config.architecture, tp, backend, config.quantization)
+            model = model_cls(config.hf_config, config.architecture, tp, backend, config.linear_weights)
     finally:
         torch.set_default_dtype(default_dtype)
     if config.load_format == "dummy":

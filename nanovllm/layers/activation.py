@@ -7,7 +7,6 @@ from torch import nn
 from nanovllm.kernels.fp8 import FP8
 from nanovllm.kernels.gate_up_silu import gate_up_silu, gate_up_silu_fits, gate_up_silu_ref
 from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
-from nanovllm.layers.fp8 import fp8_linear
 from nanovllm.layers.linear import ColumnParallelLinear
 from nanovllm.layers.parallel import TPGroup, copy_weight, shard_of
 
@@ -32,7 +31,7 @@ class GateUpSwiGLU(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == FP8:
-            y = fp8_linear(x, self.weight, self.weight_scale, None)
+            y = self.fp8_forward(x, None)
             return silu_and_mul(y) if y.is_cuda else silu_and_mul_ref(y)
         if not x.is_cuda:
             return gate_up_silu_ref(x, self.weight)

@@ -1,6 +1,12 @@
-"""FP8 weights (``quantization="fp8"``): a linear layer's weight held in float8 e4m3 with one
-float32 scale per output channel, quantized from the model-dtype weight as it is loaded; the
-layer's input quantized per token on the fly, as vLLM's dynamic FP8 does.
+"""FP8 weights: a linear layer's weight held in float8 e4m3, its input quantized per token on the
+fly, as vLLM's dynamic FP8 does. Two layouts:
+
+- ``"fp8"`` (``quantization="fp8"``): one float32 scale per output channel, the weight quantized
+  from the model dtype as it is loaded; the input one scale per token.
+- ``"fp8_block"`` (FP8 checkpoints, ``weight_block_size: [128, 128]``, as Qwen3-*-FP8): the
+  checkpoint's e4m3 weight as stored, its ``weight_scale_inv`` of each 128 x 128 block kept per
+  output row (``[rows, ceil(in / 128)]``, so that rows can be split and interleaved like the
+  weight's); the input one scale per token and 128 features.
 
 The product is computed here in float64 on every device for now: products of e4m3 values are
 exact there, and so are their sums over up to 2,048 input features, so the result does not
@@ -12,7 +18,9 @@ import torch
 
 from nanovllm.kernels.fp8 import (
     FP8,
+    GROUP,
     quantize_per_token_group_ref,
+    quantize_weight_blockwise_ref,
     quantize_weight_per_channel_ref,
 )
 
@@ -45,3 +53,35 @@ def fp8_product(
     """``(x_fp8 @ weight.T) * x_scale * scale`` in float64 (``x_scale`` ``[rows, 1]``, ``scale``
     ``[out]``)."""
     return (x_fp8.double() @ weight.double().T) * x_scale.double() * scale.double()
+
+
+def quantize_weight_blocks(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model-dtype ``[out, in]`` weight (an update of an FP8 checkpoint's model) as the
+    checkpoint would hold it: ``(fp8 weight, scale_inv [ceil(out / 128), ceil(in / 128)])``."""
+    if not loaded.is_floating_point():
+        raise ValueError(f"has dtype {loaded.dtype}, expected a floating-point tensor")
+    if loaded.is_meta:
+        blocks = (-(-loaded.shape[0] // GROUP), -(-loaded.shape[1] // GROUP))
+        return loaded.to(FP8), torch.empty(blocks, device="meta")
+    return quantize_weight_blockwise_ref(loaded)
+
+
+def block_scales_per_row(scale_inv: torch.Tensor) -> torch.Tensor:
+    """``[ceil(out / 128), groups]`` block scales as one row of group scales per output row."""
+    return scale_inv.float().repeat_interleave(GROUP, dim=0)
+
+
+def fp8_block_linear(
+    x: torch.Tensor, weight: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ dequant(weight).T (+ bias)``: ``x`` rounded to FP8 per token and 128 features, the
+    weight's groups of 128 input features scaled by ``row_scales [out, groups]``; float64 inside."""
+    rows = x.reshape(-1, x.shape[-1])
+    x_fp8, x_scales = quantize_per_token_group_ref(rows, group=GROUP)
+    k = rows.shape[-1]
+    x_deq = x_fp8.double() * x_scales.double().repeat_interleave(GROUP, dim=1)[:, :k]
+    w_deq = weight.double() * row_scales.double().repeat_interleave(GROUP, dim=1)[:, :k]
+    y = (x_deq @ w_deq.T).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])

@@ -4,8 +4,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.fp8 import FP8
-from nanovllm.layers.fp8 import fp8_linear, quantize_weight
+from nanovllm.kernels.fp8 import FP8, GROUP
+from nanovllm.layers.fp8 import (
+    block_scales_per_row,
+    fp8_block_linear,
+    fp8_linear,
+    quantize_weight,
+    quantize_weight_blocks,
+)
 from nanovllm.layers.parallel import TPGroup, copy_weight, divide, shard_of
 
 
@@ -23,7 +29,13 @@ class LinearBase(nn.Module):
     ):
         super().__init__()
         self.tp, self.tp_dim = tp, tp_dim
-        if quant == "fp8":  # see layers/fp8.py
+        if quant == "fp8_block":  # see layers/fp8.py
+            self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8), requires_grad=False)
+            groups = -(-input_size // GROUP)
+            self.weight_scale_inv = nn.Parameter(torch.ones(output_size, groups), requires_grad=False)
+            self.weight.weight_loader = self.fp8_block_weight_loader
+            self.weight_scale_inv.weight_loader = self.fp8_block_scale_loader
+        elif quant == "fp8":
             self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8), requires_grad=False)
             scale = torch.ones(output_size, dtype=torch.float32)
             self.weight_scale = nn.Parameter(scale, requires_grad=False)
@@ -53,10 +65,30 @@ class LinearBase(nn.Module):
         )
         type(self).weight_loader(self, target, scale, *shard_id)
 
+    def fp8_block_weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
+        """An FP8 checkpoint's weight as stored; a model-dtype one (a weight update) quantized
+        by 128 x 128 blocks first, its scales loaded with it."""
+        if loaded.dtype != FP8:
+            loaded, scale_inv = quantize_weight_blocks(loaded)
+            target = torch.empty_like(self.weight_scale_inv, device="meta") if param.is_meta else None
+            self.fp8_block_scale_loader(target, scale_inv, *shard_id)
+        type(self).weight_loader(self, param, loaded, *shard_id)
+
+    def fp8_block_scale_loader(self, param: nn.Parameter | None, loaded: torch.Tensor, *shard_id) -> None:
+        """A checkpoint's ``weight_scale_inv`` blocks, spread to one row per output row, then
+        routed as the weight's rows are (a part's rows must be a multiple of 128)."""
+        param = self.weight_scale_inv if param is None else param
+        type(self).weight_loader(self, param, block_scales_per_row(loaded), *shard_id)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == FP8:
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+            return self.fp8_forward(x, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def fp8_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if hasattr(self, "weight_scale_inv"):
+            return fp8_block_linear(x, self.weight, self.weight_scale_inv, bias)
+        return fp8_linear(x, self.weight, self.weight_scale, bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -118,7 +150,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, after the reduction
         if self.weight.dtype == FP8:
-            y = self.tp.all_reduce(fp8_linear(x, self.weight, self.weight_scale, None))
+            y = self.tp.all_reduce(self.fp8_forward(x, None))
         else:
             y = self.tp.all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y

@@ -147,5 +147,23 @@ def _refuse_unimplemented(config: PretrainedConfig, arch: Architecture) -> None:
         refuse("use_sliding_window=True (sliding-window attention)")
     if arch.model_type in ("mistral", "mixtral") and getattr(config, "sliding_window", None) is not None:
         refuse(f"sliding_window={config.sliding_window} (sliding-window attention)")
-    if getattr(config, "quantization_config", None):
-        refuse(f"quantization_config {config.quantization_config!r}")
+    if getattr(config, "quantization_config", None) and not is_fp8_block_checkpoint(config):
+        refuse(
+            f"quantization_config {config.quantization_config!r} (FP8 with weight_block_size [128, 128] "
+            "and dynamic activation scales is implemented)"
+        )
+
+
+def is_fp8_block_checkpoint(config: PretrainedConfig) -> bool:
+    """An FP8 checkpoint as Qwen3-*-FP8 and DeepSeek store them: e4m3 weights with 128 x 128
+    block scales (``weight_scale_inv``), activations scaled on the fly."""
+    quant = getattr(config, "quantization_config", None)
+    if not isinstance(quant, dict):
+        quant = getattr(quant, "to_dict", lambda: None)()
+    if not isinstance(quant, dict):
+        return False
+    return (
+        quant.get("quant_method") == "fp8"
+        and list(quant.get("weight_block_size") or ()) == [128, 128]
+        and quant.get("activation_scheme", "dynamic") == "dynamic"
+    )

@@ -133,3 +133,117 @@ def test_cuda_greedy_equals_hf_with_the_same_rounding(qwen3_dir, prompts, eager)
     with LLM(qwen3_dir, quantization="fp8", **options) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+BLOCK_MODEL = dict(
+    hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=256
+)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_fp8_block_checkpoint(source: str, path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``source``'s checkpoint as Qwen3-*-FP8 ships: each decoder linear's weight in e4m3 with
+    its 128 x 128 blocks' ``weight_scale_inv``; returns those, by weight name."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nanovllm.kernels.fp8 import quantize_weight_blockwise_ref
+
+    tensors, quantized = load_file(os.path.join(source, "model.safetensors")), {}
+    for name in list(tensors):
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
+            weight, scale_inv = quantize_weight_blockwise_ref(tensors[name])
+            tensors[name], tensors[name + "_scale_inv"] = weight, scale_inv
+            quantized[name] = (weight, scale_inv)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]
+    }  # fmt: skip
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    shutil.copy(os.path.join(source, "generation_config.json"), path)
+    return quantized
+
+
+def block_forward(weight_fp8: torch.Tensor, scale_inv: torch.Tensor, bias, parts: int):
+    """What nanovllm's FP8 block layer computes on ``parts`` ranks (float64 inside)."""
+    weight = (
+        weight_fp8.double()
+        * scale_inv.double()
+        .repeat_interleave(128, 0)
+        .repeat_interleave(128, 1)[: weight_fp8.shape[0], : weight_fp8.shape[1]]
+    )
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows, y = x.reshape(-1, x.shape[-1]), 0
+        for x_part, w_part in zip(rows.chunk(parts, dim=-1), weight.chunk(parts, dim=-1)):
+            x_fp8, x_scales = quantize_per_token_group_ref(x_part, group=128)
+            x_deq = x_fp8.double() * x_scales.double().repeat_interleave(128, 1)[:, : x_part.shape[-1]]
+            y = y + (x_deq @ w_part.T).to(x.dtype)
+        return (y + (bias if bias is not None else 0)).view(*x.shape[:-1], -1)
+
+    return forward
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_an_fp8_block_checkpoint_loads_as_stored_and_matches_its_dequantized_twin(tmp_path, prompts, tp):
+    """Teacher-forced on the twin's greedy completions: rounding activations to e4m3 turns the
+    last-ulp differences between two float32 implementations of attention and norms (1e-6 here)
+    into an occasional different e4m3 value, so tokens are compared position by position, not
+    as whole greedy runs."""
+    from transformers import AutoModelForCausalLM
+
+    source = make_random_checkpoint(str(tmp_path / "source"), "Qwen3ForCausalLM", seed=9, **BLOCK_MODEL)
+    quantized = write_fp8_block_checkpoint(source, str(tmp_path / "fp8"))
+    twin = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    twin.generation_config.eos_token_id = None
+    for name, module in twin.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in LINEARS:
+            parts = tp if name.endswith(ROW_PARALLEL) else 1
+            module.forward = block_forward(*quantized[name + ".weight"], module.bias, parts)
+    sequences = [p + c for p, c in zip(prompts, hf_generate(twin, prompts))]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    with LLM(str(tmp_path / "fp8"), tensor_parallel_size=tp, **OPTIONS) as llm:
+        assert llm.config.quantization == "fp8"
+        stored = llm.apply_model(lambda model: model.model.layers[0].self_attn.o_proj.weight.dtype)
+        assert stored == [torch.float8_e4m3fn] * tp
+        outputs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    agree = total = close = 0
+    for sequence, output in zip(sequences, outputs):
+        with torch.no_grad():
+            reference = torch.log_softmax(twin(torch.tensor([sequence])).logits[0, :-1].float(), dim=-1)
+        ours = torch.tensor([lp[t].logprob for lp, t in zip(output.prompt_logprobs[1:], sequence[1:])])
+        gap = (ours - reference.gather(1, torch.tensor(sequence[1:])[:, None]).squeeze(1)).abs()
+        assert gap.max() < 0.25  # a flipped e4m3 value moves a log-probability by ~0.1 at most here
+        close += int((gap < 1e-4).sum())
+        top = [
+            max(lp, key=lambda t: lp[t].logprob if lp[t].rank == 1 else float("-inf"))
+            for lp in output.prompt_logprobs[1:]
+        ]
+        agree += sum(a == b for a, b in zip(top, reference.argmax(dim=-1).tolist()))
+        total += len(top)
+    assert close >= 0.95 * total and agree >= 0.97 * total, (close, agree, total)
+
+
+def test_an_fp8_block_model_takes_model_dtype_updates(tmp_path, prompts):
+    source = make_random_checkpoint(str(tmp_path / "source"), "Qwen3ForCausalLM", seed=9, **BLOCK_MODEL)
+    write_fp8_block_checkpoint(source, str(tmp_path / "fp8"))
+    updated = make_random_checkpoint(str(tmp_path / "new"), "Qwen3ForCausalLM", seed=10, **BLOCK_MODEL)
+    expected_dir = str(tmp_path / "new_fp8")
+    write_fp8_block_checkpoint(updated, expected_dir)
+    with LLM(expected_dir, **OPTIONS) as reference:
+        expected = [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY, use_tqdm=False)]
+    from safetensors.torch import load_file
+
+    with LLM(str(tmp_path / "fp8"), **OPTIONS) as llm:
+        llm.load_weights(
+            load_file(f"{updated}/model.safetensors").items()
+        )  # bf16/fp32 tensors: quantized here
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
