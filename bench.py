@@ -4,6 +4,8 @@
     python bench.py --engine nanovllm,vllm,hf        # each engine in its own process, one table
     python bench.py --num-seqs 8 --max-input-len 64 --max-output-len 16   # small, e.g. on CPU
     python bench.py --engine nanovllm,vllm --structured json   # JSON-schema outputs vs none
+    python bench.py --engine nanovllm,vllm --runs 3 --fresh-prompts   # new prompts each run
+    python bench.py --engine nanovllm,vllm --latency   # ms per decode step, time to first token
 
 Workload (as nano-vllm's bench): ``random.seed(0)``; ``num_seqs`` prompts of
 ``randint(100, max_input_len)`` random token ids in ``[0, 10000]``, then per request
@@ -11,6 +13,29 @@ Workload (as nano-vllm's bench): ``random.seed(0)``; ``num_seqs`` prompts of
 warm-up generate, then timed runs; throughput = output tokens / wall time (for nanovllm and
 vLLM the tokens the completions hold, which is ``sum(max_tokens)`` when EOS is ignored; for hf
 ``sum(max_tokens)``).
+
+The headline is run 1: the table's time and throughput (and the ratios) are run 1's, the first
+timed run after the warm-up; the later runs' throughputs follow in their own column, and each
+``--json`` row starts with ``run1_time_s`` and ``run1_output_tok_s`` before the list of times.
+
+``--fresh-prompts``: every timed run gets new prompts of the same lengths (with the same
+``max_tokens``): run 1 has the workload's prompts, run r > 1 the same lengths filled again after
+``random.seed(r - 1)``, so repeated runs measure the engine rather than the prefix cache
+(nanovllm and vLLM; hf, without a prefix cache, repeats run 1's prompts). Off by default: then
+every run repeats the same prompts.
+
+``--latency`` (nanovllm and vLLM; hf refuses): instead of the workload, (a) milliseconds per
+decode step at batch 1, 16 and 64 (``--latency-batches``): B requests of a 512-token prompt
+(``--latency-prompt-len``, random ids) each generating 256 tokens (``--latency-decode-tokens``)
+with EOS ignored; the wall time of that generate minus the time of the same requests with
+``max_tokens=1`` (the prefill), divided by the 255 decode steps; (b) time to first token of one
+8,192-token prompt (``--latency-ttft-len``): the wall time of a generate with ``max_tokens=1``.
+Each figure is the median of ``--latency-repeats`` repeats (each with new random prompts, so
+the prefix cache never hits) after a warm-up of every shape; ``max_model_len`` is the longer
+prompt plus the decode tokens. A small table gives one column per engine, with nanovllm's time
+over vLLM's when both ran. On CPU, a dry run:
+``python bench.py --latency --latency-prompt-len 16 --latency-ttft-len 64 --latency-batches 1,2
+--latency-decode-tokens 8 --latency-repeats 1``.
 
 Structured outputs, ``--structured json``: every request's completion must be a JSON record of
 ``JSON_SCHEMA`` (vLLM's ``StructuredOutputsParams(json=JSON_SCHEMA)``, nanovllm and vLLM; hf
@@ -39,7 +64,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from random import randint, seed
+from random import Random, randint, seed
+from statistics import median
 
 from nanovllm.demo_models import SHAPES
 
@@ -79,6 +105,22 @@ def workload(args) -> tuple[list[list[int]], list[int]]:
     ]
     max_tokens = [randint(low_out, args.max_output_len) for _ in range(args.num_seqs)]
     return prompts, max_tokens
+
+
+def fresh_prompts(prompts: list[list[int]], run: int) -> list[list[int]]:
+    """Run ``run``'s prompts (counted from 0) under ``--fresh-prompts``: run 0 keeps the
+    workload's, run r > 0 gets the same lengths filled again with ids drawn after ``seed(r)``."""
+    if run == 0:
+        return prompts
+    seed(run)
+    return [[randint(0, 10000) for _ in p] for p in prompts]
+
+
+def prompts_by_run(args, prompts: list[list[int]]) -> list[list[list[int]]]:
+    """Each timed run's prompts: the workload's every time, or fresh ones with ``--fresh-prompts``."""
+    if not args.fresh_prompts:
+        return [prompts] * args.runs
+    return [fresh_prompts(prompts, r) for r in range(args.runs)]
 
 
 def model_dir(args) -> tuple[str, bool]:
@@ -128,16 +170,15 @@ def completions(outputs) -> list[tuple[str | None, list[int]]]:
     return [(o.outputs[0].finish_reason, list(o.outputs[0].token_ids)) for o in outputs]
 
 
-def run_nanovllm(args, path, dummy, prompts, max_tokens) -> dict:
-    from nanovllm import LLM, SamplingParams
-    from nanovllm.sampling_params import StructuredOutputsParams
+def make_nanovllm(args, path, dummy, max_model_len: int):
+    from nanovllm import LLM
 
     start = time.perf_counter()
     llm = LLM(
         path,
         load_format="dummy" if dummy else "auto",
         enforce_eager=args.enforce_eager,
-        max_model_len=4096,
+        max_model_len=max_model_len,
         tensor_parallel_size=args.tp,
         attention_backend=args.attention_backend,
         async_scheduling=args.async_scheduling,
@@ -146,13 +187,21 @@ def run_nanovllm(args, path, dummy, prompts, max_tokens) -> dict:
         **given_options(args, "max_num_seqs", "kvcache_block_size", "quantization"),
     )
     print(f"nanovllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
+    return llm
+
+
+def run_nanovllm(args, path, dummy, runs_prompts, max_tokens) -> dict:
+    from nanovllm import SamplingParams
+    from nanovllm.sampling_params import StructuredOutputsParams
+
+    llm = make_nanovllm(args, path, dummy, 4096)
     params = workload_params(args, SamplingParams, StructuredOutputsParams, max_tokens)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
     if args.structured == "json":
         warm_up = workload_params(args, SamplingParams, StructuredOutputsParams, [16])
         llm.generate([[1, 2, 3, 4]], warm_up, use_tqdm=False)
     times, tokens, outputs = [], [], []
-    for _ in range(args.runs):
+    for prompts in runs_prompts:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
@@ -161,23 +210,30 @@ def run_nanovllm(args, path, dummy, prompts, max_tokens) -> dict:
     return {"times": times, "tokens": tokens, "completions": completions(outputs)}
 
 
-def run_vllm(args, path, dummy, prompts, max_tokens) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import StructuredOutputsParams
+def make_vllm(args, path, dummy, max_model_len: int):
+    from vllm import LLM
 
     start = time.perf_counter()
     llm = LLM(
         path,
         load_format="dummy" if dummy else "auto",
         skip_tokenizer_init=dummy and not args.tokenizer,  # structured outputs need the tokenizer
-        max_model_len=4096,
+        max_model_len=max_model_len,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tp,
         kv_cache_dtype=args.kv_cache_dtype,
         **given_options(args, "max_num_seqs", "quantization"),
     )
     print(f"vllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
+    return llm
+
+
+def run_vllm(args, path, dummy, runs_prompts, max_tokens) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
+
+    llm = make_vllm(args, path, dummy, 4096)
     if args.structured == "none":
         params = [
             SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, detokenize=False)
@@ -185,7 +241,6 @@ def run_vllm(args, path, dummy, prompts, max_tokens) -> dict:
         ]
     else:
         params = workload_params(args, SamplingParams, StructuredOutputsParams, max_tokens)
-    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     warm_up = [TokensPrompt(prompt_token_ids=[1, 2, 3, 4])]
     llm.generate(warm_up, SamplingParams(max_tokens=16, detokenize=False), use_tqdm=False)
     if args.structured == "json":
@@ -193,7 +248,8 @@ def run_vllm(args, path, dummy, prompts, max_tokens) -> dict:
             warm_up, workload_params(args, SamplingParams, StructuredOutputsParams, [16]), use_tqdm=False
         )
     times, tokens, outputs = [], [], []
-    for _ in range(args.runs):
+    for prompts in runs_prompts:
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
@@ -201,8 +257,9 @@ def run_vllm(args, path, dummy, prompts, max_tokens) -> dict:
     return {"times": times, "tokens": tokens, "completions": completions(outputs)}
 
 
-def run_hf(args, path, dummy, prompts, max_tokens) -> dict:
-    """Static batching with ``generate`` (left padding, sdpa): the baseline without paging."""
+def run_hf(args, path, dummy, runs_prompts, max_tokens) -> dict:
+    """Static batching with ``generate`` (left padding, sdpa): the baseline without paging (no
+    prefix cache: every run has run 1's prompts)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -223,6 +280,7 @@ def run_hf(args, path, dummy, prompts, max_tokens) -> dict:
         max_new_tokens=max(max_tokens),
     )
     model.generation_config.eos_token_id = None
+    prompts = runs_prompts[0]
     longest = max(map(len, prompts))
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -245,6 +303,102 @@ def run_hf(args, path, dummy, prompts, max_tokens) -> dict:
 
 
 ENGINES = {"nanovllm": run_nanovllm, "vllm": run_vllm, "hf": run_hf}
+
+
+def latency_batches(text: str) -> list[int]:
+    batches = [int(b) for b in text.split(",") if b.strip()]
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
+    return batches
+
+
+def latency_max_model_len(args) -> int:
+    return max(args.latency_prompt_len, args.latency_ttft_len) + args.latency_decode_tokens
+
+
+def measure_latency(args, engine: str, generate) -> dict:
+    """Decode-step time per batch size and time to first token (see the module docstring).
+    ``generate(prompts, max_tokens)`` runs one generate with EOS ignored and returns the number
+    of output tokens; every call gets new random prompts, so the prefix cache never hits."""
+    rng = Random(1234)
+    prompt_len, steps = args.latency_prompt_len, args.latency_decode_tokens
+
+    def timed(batch: int, length: int, max_tokens: int) -> float:
+        prompts = [[rng.randint(0, 10000) for _ in range(length)] for _ in range(batch)]
+        start = time.perf_counter()
+        produced = generate(prompts, max_tokens)
+        elapsed = time.perf_counter() - start
+        if produced != batch * max_tokens:
+            raise RuntimeError(f"{engine}: {produced} output tokens, expected {batch} x {max_tokens}")
+        return elapsed
+
+    for batch in args.latency_batches:  # warm-up: every shape once
+        timed(batch, prompt_len, 1)
+        timed(batch, prompt_len, steps)
+    timed(1, args.latency_ttft_len, 1)
+    decode_ms = {}
+    for batch in args.latency_batches:
+        full, prefill = [], []
+        for _ in range(args.latency_repeats):
+            full.append(timed(batch, prompt_len, steps))
+            prefill.append(timed(batch, prompt_len, 1))
+        ms = (median(full) - median(prefill)) / (steps - 1) * 1000
+        decode_ms[str(batch)] = ms
+        print(
+            f"{engine} decode step, batch {batch}: {ms:.2f} ms = (generate {median(full) * 1000:.1f} ms "
+            f"- prefill {median(prefill) * 1000:.1f} ms) / {steps - 1} steps "
+            f"({prompt_len}-token prompts, median of {args.latency_repeats})",
+            flush=True,
+        )
+    ttft_ms = median(timed(1, args.latency_ttft_len, 1) for _ in range(args.latency_repeats)) * 1000
+    print(
+        f"{engine} TTFT, {args.latency_ttft_len:,}-token prompt: {ttft_ms:.1f} ms "
+        f"(median of {args.latency_repeats})",
+        flush=True,
+    )
+    return {
+        "engine": engine,
+        "mode": "latency",
+        "decode_step_ms": decode_ms,
+        "ttft_ms": ttft_ms,
+        "prompt_len": prompt_len,
+        "decode_tokens": steps,
+        "ttft_len": args.latency_ttft_len,
+        "repeats": args.latency_repeats,
+    }
+
+
+def latency_nanovllm(args, path, dummy) -> dict:
+    from nanovllm import SamplingParams
+
+    llm = make_nanovllm(args, path, dummy, latency_max_model_len(args))
+
+    def generate(prompts, max_tokens):
+        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    result = measure_latency(args, "nanovllm", generate)
+    llm.exit()
+    return result
+
+
+def latency_vllm(args, path, dummy) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = make_vllm(args, path, dummy, latency_max_model_len(args))
+
+    def generate(prompts, max_tokens):
+        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    return measure_latency(args, "vllm", generate)
+
+
+LATENCY_ENGINES = {"nanovllm": latency_nanovllm, "vllm": latency_vllm}
 
 
 def matches_schema(value, schema: dict) -> bool:
@@ -376,7 +530,36 @@ def main() -> None:
         action="store_true",
         help="with --structured: run the constrained workload only, without the baseline",
     )
+    parser.add_argument(
+        "--fresh-prompts",
+        action="store_true",
+        help="every timed run gets new prompts of the same lengths and max_tokens (run r > 1: the "
+        "ids drawn again after seed(r - 1)), so repeated runs measure the engine, not the prefix "
+        "cache (nanovllm, vllm; hf repeats run 1's prompts); default off: every run repeats them",
+    )
+    parser.add_argument(
+        "--latency",
+        action="store_true",
+        help="latency mode instead of the workload (nanovllm, vllm): ms per decode step at each "
+        "--latency-batches size B, measured as (wall time of a generate of B requests of "
+        "--latency-prompt-len random tokens, each making --latency-decode-tokens tokens with EOS "
+        "ignored) - (the same with max_tokens=1, the prefill), divided by decode tokens - 1; and "
+        "TTFT: the wall time of a max_tokens=1 generate of one --latency-ttft-len-token prompt; "
+        "each the median of --latency-repeats after a warm-up, new random prompts every time",
+    )
+    parser.add_argument("--latency-prompt-len", type=int, default=512, help="--latency: prompt tokens")
+    parser.add_argument(
+        "--latency-decode-tokens", type=int, default=256, help="--latency: tokens each request makes"
+    )
+    parser.add_argument(
+        "--latency-batches", type=latency_batches, default="1,16,64", help="--latency: batch sizes"
+    )
+    parser.add_argument(
+        "--latency-ttft-len", type=int, default=8192, help="--latency: the TTFT prompt's tokens"
+    )
+    parser.add_argument("--latency-repeats", type=int, default=3, help="--latency: repeats per figure")
     parser.add_argument("--json", help="append each engine's result as a JSON line to this file")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one of several
     args = parser.parse_args()
     args.tokenizer = args.tokenizer or args.structured != "none"
 
@@ -387,6 +570,15 @@ def main() -> None:
         parser.error("--quantization: the hf engine runs the checkpoint's dtype (use nanovllm and/or vllm)")
     if args.structured != "none" and "hf" in engines:
         parser.error("--structured: the hf engine has no structured outputs (use nanovllm and/or vllm)")
+    if args.latency:
+        if "hf" in engines:
+            parser.error("--latency: the hf engine has no latency mode (use nanovllm and/or vllm)")
+        if args.structured != "none" or args.fresh_prompts:
+            parser.error("--latency measures its own requests: no --structured or --fresh-prompts")
+        if args.latency_decode_tokens < 2 or min(args.latency_prompt_len, args.latency_ttft_len) < 1:
+            parser.error("--latency: at least 2 decode tokens and 1 prompt token")
+        if args.latency_repeats < 1:
+            parser.error("--latency-repeats: at least 1")
     # (engine, extra options) per process: a constrained run also gets its unconstrained baseline
     jobs = [(e, []) for e in engines]
     if args.structured != "none" and not args.only_constrained:
@@ -403,11 +595,13 @@ def main() -> None:
         os.close(fd)
         # the children get every option but these, which are set per child
         argv = child_argv(
-            sys.argv[1:], ("--engine", "--json", "--structured"), ("--tokenizer", "--only-constrained")
+            sys.argv[1:],
+            ("--engine", "--json", "--structured"),
+            ("--tokenizer", "--only-constrained", "--child"),
         )
         for engine, options in jobs:
             subprocess.run(
-                [sys.executable, __file__, "--engine", engine, "--json", results, *options, *argv],
+                [sys.executable, __file__, "--engine", engine, "--json", results, "--child", *options, *argv],
                 check=False,
             )
         with open(results) as f:
@@ -419,15 +613,37 @@ def main() -> None:
         print_table(rows)
         return
 
+    if args.latency:
+        path, dummy = model_dir(args)
+        try:
+            row = LATENCY_ENGINES[engines[0]](args, path, dummy)
+        finally:
+            if dummy:
+                shutil.rmtree(path, ignore_errors=True)
+    else:
+        row = run_workload(args, engines[0])
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    if not args.child:
+        print_table([row])
+    sys.stdout.flush()
+    os._exit(0)  # vLLM's shutdown can hang; everything is reported already
+
+
+def run_workload(args, engine: str) -> dict:
+    """One engine's timed runs of the workload, printed run by run; its result row."""
     prompts, max_tokens = workload(args)
+    runs_prompts = prompts_by_run(args, prompts)
     path, dummy = model_dir(args)
-    label = engines[0] + (f" +{args.structured}" if args.structured != "none" else "")
+    label = engine + (f" +{args.structured}" if args.structured != "none" else "")
     try:
-        result = ENGINES[engines[0]](args, path, dummy, prompts, max_tokens)
+        result = ENGINES[engine](args, path, dummy, runs_prompts, max_tokens)
+        fresh = ", fresh prompts" if args.fresh_prompts and engine != "hf" else ""
         for i, (t, total) in enumerate(zip(result["times"], result["tokens"]), 1):
             print(
                 f"{label} run {i}: {total} output tokens in {t:.2f} s = {total / t:,.0f} tok/s "
-                f"({sum(map(len, prompts))} prompt tokens, {len(prompts)} requests)",
+                f"({sum(map(len, prompts))} prompt tokens, {len(prompts)} requests{fresh})",
                 flush=True,
             )
         if args.structured == "json":
@@ -435,55 +651,95 @@ def main() -> None:
     finally:
         if dummy:
             shutil.rmtree(path, ignore_errors=True)
-    if args.json:
-        tokens = result["tokens"]
-        row = {
-            "engine": engines[0],
-            "times": result["times"],
-            "tokens": tokens[0] if len(set(tokens)) == 1 else tokens,
-        }
-        if args.structured != "none":
-            row["workload"] = args.structured
-        if args.tokenizer:
-            row["tokenizer"] = True
-        with open(args.json, "a") as f:
-            f.write(json.dumps(row) + "\n")
-    sys.stdout.flush()
-    os._exit(0)  # vLLM's shutdown can hang; everything is reported already
+    tokens, times = result["tokens"], result["times"]
+    row = {
+        "engine": engine,
+        "run1_time_s": times[0],
+        "run1_output_tok_s": tokens[0] / times[0],
+        "times": times,
+        "tokens": tokens[0] if len(set(tokens)) == 1 else tokens,
+    }
+    if args.structured != "none":
+        row["workload"] = args.structured
+    if args.tokenizer:
+        row["tokenizer"] = True
+    if args.fresh_prompts and engine != "hf":
+        row["fresh_prompts"] = True
+    return row
 
 
-def best_throughput(row: dict) -> float:
+def run_throughputs(row: dict) -> list[float]:
+    """Output tokens per second of each timed run, run 1 first."""
     tokens = row["tokens"] if isinstance(row["tokens"], list) else [row["tokens"]] * len(row["times"])
-    return max(n / t for n, t in zip(tokens, row["times"]))
+    return [n / t for n, t in zip(tokens, row["times"])]
+
+
+def later_runs(row: dict) -> str:
+    return ", ".join(f"{tps:,.0f}" for tps in run_throughputs(row)[1:]) or "-"
 
 
 def print_table(rows: list[dict]) -> None:
+    """The headline table: run 1's time and throughput, ratios of run 1's, later runs after."""
+    if any(r.get("mode") == "latency" for r in rows):
+        print_latency_table(rows)
+        return
     if all(r.get("workload", "none") == "none" for r in rows):
-        best = {r["engine"]: best_throughput(r) for r in rows}
+        first = {r["engine"]: run_throughputs(r)[0] for r in rows}
         print(
-            "\n| engine | best time (s) | output tok/s | vs vLLM | vs HF |\n| --- | --- | --- | --- | --- |"
+            "\n| engine | run 1 time (s) | run 1 output tok/s | vs vLLM | vs HF | later runs (tok/s) |"
+            "\n| --- | --- | --- | --- | --- | --- |"
         )
         for r in rows:
-            tps = best[r["engine"]]
-            ratios = [f"{tps / best[b]:.2f}x" if b in best else "-" for b in ("vllm", "hf")]
-            print(f"| {r['engine']} | {min(r['times']):.2f} | {tps:,.0f} | {ratios[0]} | {ratios[1]} |")
+            tps = first[r["engine"]]
+            ratios = [f"{tps / first[b]:.2f}x" if b in first else "-" for b in ("vllm", "hf")]
+            print(
+                f"| {r['engine']} | {r['times'][0]:.2f} | {tps:,.0f} | {ratios[0]} | {ratios[1]} | "
+                f"{later_runs(r)} |"
+            )
         return
-    best = {(r["engine"], r.get("workload", "none")): best_throughput(r) for r in rows}
+    first = {(r["engine"], r.get("workload", "none")): run_throughputs(r)[0] for r in rows}
     print(
-        "\n| engine | constraint | best time (s) | output tok/s | vs none | vs vLLM | vs HF |"
-        "\n| --- | --- | --- | --- | --- | --- | --- |"
+        "\n| engine | constraint | run 1 time (s) | run 1 output tok/s | vs none | vs vLLM | vs HF "
+        "| later runs (tok/s) |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     for r in rows:
         workload = r.get("workload", "none")
-        tps = best[r["engine"], workload]
+        tps = first[r["engine"], workload]
         ratios = [
-            f"{tps / best[key]:.2f}x" if key in best else "-"
+            f"{tps / first[key]:.2f}x" if key in first else "-"
             for key in ((r["engine"], "none"), ("vllm", workload), ("hf", workload))
         ]
         print(
-            f"| {r['engine']} | {workload} | {min(r['times']):.2f} | {tps:,.0f} | "
-            f"{ratios[0]} | {ratios[1]} | {ratios[2]} |"
+            f"| {r['engine']} | {workload} | {r['times'][0]:.2f} | {tps:,.0f} | "
+            f"{ratios[0]} | {ratios[1]} | {ratios[2]} | {later_runs(r)} |"
         )
+
+
+def print_latency_table(rows: list[dict]) -> None:
+    """One column per engine; with nanovllm and vLLM both, nanovllm's time over vLLM's."""
+    by_engine = {r["engine"]: r for r in rows if r.get("mode") == "latency"}
+    engines = list(by_engine)
+    ratio = "nanovllm" in by_engine and "vllm" in by_engine
+    figures = []  # (label, value per engine)
+    batches = dict.fromkeys(b for r in by_engine.values() for b in r["decode_step_ms"])
+    for b in batches:
+        values = {e: r["decode_step_ms"].get(b) for e, r in by_engine.items()}
+        figures.append((f"decode step, batch {b} (ms)", values))
+    lengths = sorted({r["ttft_len"] for r in by_engine.values()})
+    figures.append(
+        (
+            f"TTFT, {'/'.join(f'{n:,}' for n in lengths)}-token prompt (ms)",
+            {e: r["ttft_ms"] for e, r in by_engine.items()},
+        )
+    )
+    head = ["figure", *engines] + (["nanovllm / vLLM (time)"] if ratio else [])
+    print("\n| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
+    for label, values in figures:
+        cells = [label] + [f"{values[e]:.2f}" if values[e] is not None else "-" for e in engines]
+        if ratio:
+            n, v = values["nanovllm"], values["vllm"]
+            cells.append(f"{n / v:.2f}x" if n is not None and v else "-")
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,84 @@
+"""bench.py's workload, --fresh-prompts, tables and option checks, without building an engine."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from random import randint, seed
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_cli_under_test", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def args(**kw) -> Namespace:
+    base = {"num_seqs": 6, "max_input_len": 150, "max_output_len": 120, "runs": 3, "fresh_prompts": False}
+    return Namespace(**{**base, **kw})
+
+
+def original_workload(num_seqs, max_input_len, max_output_len):
+    """The workload as bench.py drew it before --fresh-prompts existed."""
+    seed(0)
+    low_in, low_out = min(100, max_input_len), min(100, max_output_len)
+    prompts = [[randint(0, 10000) for _ in range(randint(low_in, max_input_len))] for _ in range(num_seqs)]
+    return prompts, [randint(low_out, max_output_len) for _ in range(num_seqs)]
+
+
+def test_default_workload_unchanged(bench):
+    a = args()
+    prompts, max_tokens = bench.workload(a)
+    assert (prompts, max_tokens) == original_workload(6, 150, 120)
+    assert bench.prompts_by_run(a, prompts) == [prompts] * 3
+
+
+def test_fresh_prompts_differ_by_run_and_keep_lengths(bench):
+    a = args(fresh_prompts=True)
+    prompts, max_tokens = bench.workload(a)
+    runs = bench.prompts_by_run(a, prompts)
+    assert len(runs) == 3 and runs[0] == prompts
+    for run in runs[1:]:
+        assert [len(p) for p in run] == [len(p) for p in prompts]
+        assert all(p != q for p, q in zip(run, prompts))
+    assert runs[1] != runs[2]
+    assert bench.prompts_by_run(a, prompts) == runs  # the same seeds, the same prompts
+    assert bench.workload(a) == (prompts, max_tokens)
+
+
+def test_table_headline_is_run_1(bench, capsys):
+    rows = [
+        {"engine": "nanovllm", "times": [2.0, 1.0], "tokens": 100},
+        {"engine": "vllm", "times": [4.0, 1.0], "tokens": [100, 100]},
+    ]
+    bench.print_table(rows)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "run 1 time (s)" in lines[0]
+    assert lines[2] == "| nanovllm | 2.00 | 50 | 2.00x | - | 100 |"
+    assert lines[3] == "| vllm | 4.00 | 25 | 1.00x | - | 100 |"
+
+
+def test_latency_table(bench, capsys):
+    row = {"mode": "latency", "ttft_len": 8192}
+    rows = [
+        {**row, "engine": "nanovllm", "decode_step_ms": {"1": 5.0, "16": 6.0}, "ttft_ms": 300.0},
+        {**row, "engine": "vllm", "decode_step_ms": {"1": 4.0, "16": 6.0}, "ttft_ms": 200.0},
+    ]
+    bench.print_table(rows)
+    out = capsys.readouterr().out
+    assert "| decode step, batch 1 (ms) | 5.00 | 4.00 | 1.25x |" in out
+    assert "| TTFT, 8,192-token prompt (ms) | 300.00 | 200.00 | 1.50x |" in out
+
+
+def test_hf_refuses_latency():
+    done = subprocess.run(
+        [sys.executable, BENCH, "--engine", "hf", "--latency"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "--latency: the hf engine" in done.stderr
