@@ -135,6 +135,11 @@ class Config:
     enable_sleep_mode: bool = False
     """Allow ``LLM.sleep`` and ``wake_up``: free the weights' and KV cache's device memory
     between calls (an RL trainer's engine beside its training), then get them back."""
+    structured_outputs_config: dict | None = None
+    """vLLM's engine-wide structured-output settings (a dict, or vLLM's config object):
+    ``backend`` "auto" or "xgrammar" (the one here); ``disable_any_whitespace`` makes every
+    request's JSON compact; ``disable_additional_properties`` always holds here. Reasoning
+    parsers are not implemented."""
     platform: Platform = field(default=CPU_ONLY, repr=False, compare=False)
     hf_config: PretrainedConfig = field(init=False, repr=False, compare=False)
     architecture: Architecture = field(init=False, repr=False)
@@ -173,6 +178,7 @@ class Config:
             resolve("kvcache_block_size", 256 if self.attention_backend == "flash_attn" else 128)
         resolve("kv_cache_dtype", self._resolve_kv_cache_dtype())
         self._check_quantization()
+        resolve("structured_outputs_config", self._resolve_structured_outputs_config())
         resolve("eos_token_ids", self._eos_ids())
         fixed = self.fixed_num_kvcache_blocks
         if fixed is not None:
@@ -328,6 +334,27 @@ class Config:
         """How the decoder's linear layers hold their weights: None (``dtype``), "fp8" (quantized
         as they load) or "fp8_block" (an FP8 checkpoint's blocks, as stored)."""
         return "fp8_block" if is_fp8_block_checkpoint(self.hf_config) else self.quantization
+
+    def _resolve_structured_outputs_config(self) -> dict:
+        given = self.structured_outputs_config
+        if given is None:
+            given = {}
+        elif not isinstance(given, dict):  # vLLM's StructuredOutputsConfig, or any object alike
+            given = {k: v for k, v in vars(given).items() if not k.startswith("_")}
+        settings = dict(backend="auto", disable_any_whitespace=False, disable_additional_properties=False)
+        reasoning = ("reasoning_parser", "reasoning_parser_plugin", "enable_in_reasoning")
+        unknown = set(given) - set(settings) - set(reasoning)
+        if unknown:
+            raise ValueError(f"structured_outputs_config has unknown keys {sorted(unknown)}")
+        if given.get("backend", "auto") not in ("auto", "xgrammar"):
+            raise ValueError(
+                f"structured_outputs_config backend={given['backend']!r} is not supported: xgrammar is the "
+                "backend here ('auto' or 'xgrammar')"
+            )
+        if any(given.get(name) for name in reasoning):
+            raise ValueError("structured_outputs_config: reasoning parsers are not implemented")
+        settings.update({k: v for k, v in given.items() if k in settings})
+        return settings
 
     def _check_quantization(self) -> None:
         if self.quantization is None and is_fp8_block_checkpoint(self.hf_config):

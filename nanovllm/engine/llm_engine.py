@@ -57,7 +57,12 @@ class LLMEngine(EngineControls):
             config.max_model_len,
             config.mixed_steps,
         )
-        self.structured_outputs = StructuredOutputs(tokenizer, self.vocab_size, config.eos_token_ids)
+        self.structured_outputs = StructuredOutputs(
+            tokenizer,
+            self.vocab_size,
+            config.eos_token_ids,
+            compact_json=config.structured_outputs_config["disable_any_whitespace"],
+        )
         self.output_processor = OutputProcessor(
             self.scheduler, config.eos_token_ids, config.max_model_len, self.structured_outputs
         )

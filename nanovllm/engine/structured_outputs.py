@@ -40,10 +40,10 @@ def _json_with_whitespace(xgr, schema, pattern: str) -> str:
     return ebnf.replace(_JSON_WHITESPACE, "json_whitespace") + rule
 
 
-def _spec(xgr, params: StructuredOutputsParams) -> tuple[str, str, bool]:
+def _spec(xgr, params: StructuredOutputsParams, compact_json: bool) -> tuple[str, str, bool]:
     """``(kind, text, any_whitespace)`` that xgrammar compiles: kind "json", "regex" or
     "grammar". Raises ``ValueError`` for a constraint xgrammar cannot read."""
-    any_whitespace = not params.disable_any_whitespace
+    any_whitespace = not (params.disable_any_whitespace or compact_json)
     if params.json is not None or params.json_object:
         schema = params.json if params.json is not None else {"type": "object"}
         if isinstance(schema, str):
@@ -81,8 +81,12 @@ class StructuredOutputs:
     constraint; a completion's matcher is made when its first token is due.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], compact_json: bool = False
+    ):
         self.tokenizer = tokenizer
+        self.compact_json = compact_json
+        """Every JSON constraint without free whitespace (``structured_outputs_config``)."""
         self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self.eos_token_ids = list(eos_token_ids)
@@ -107,7 +111,7 @@ class StructuredOutputs:
         if compiled is not None:
             self._compiled.move_to_end(key)
             return compiled
-        spec = _spec(_xgrammar(), params)
+        spec = _spec(_xgrammar(), params, self.compact_json)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-grammar")
         compiled = self._pool.submit(self._compile, *spec)

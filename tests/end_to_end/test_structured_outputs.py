@@ -350,3 +350,24 @@ def test_ctrl_c_while_a_step_awaits_its_bitmask_leaves_the_engine_correct(json_m
         assert engine.llm_engine.is_finished()
         again = engine.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == expected
+
+
+def test_the_engine_wide_config_as_vllm_takes_it(llm, json_model_dir):
+    def free_whitespace(text: str) -> bool:  # a JSON string holds no raw newline or tab
+        return "\n" in text or "\t" in text
+
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=CONSTRAINTS["json_object"])
+    assert any(free_whitespace(o.outputs[0].text) for o in llm.generate(PROMPTS, params, use_tqdm=False))
+    compact = dict(
+        OPTIONS_CPU, structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True}
+    )
+    with LLM(json_model_dir, **compact) as engine:
+        for output in engine.generate(PROMPTS, params, use_tqdm=False):
+            assert not free_whitespace(output.outputs[0].text), output.outputs[0].text
+    for config, message in [
+        ({"backend": "guidance"}, "backend='guidance' is not supported: xgrammar"),
+        ({"reasoning_parser": "deepseek_r1"}, "reasoning parsers are not implemented"),
+        ({"no_such_key": 1}, "unknown keys"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            LLM(json_model_dir, **dict(OPTIONS_CPU, structured_outputs_config=config))
