@@ -63,38 +63,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
-from random import Random, randint, seed
-from statistics import median
+from random import randint, seed
 
+from benchmarks.latency import latency_batches, measure_latency, print_latency_table
+from benchmarks.structured_workload import JSON_SCHEMA, check_json_outputs
 from nanovllm.demo_models import SHAPES
-
-# An extraction record, as a structured-output request would ask for it.
-JSON_SCHEMA = {
-    "title": "CustomerTicket",
-    "type": "object",
-    "properties": {
-        "customer_name": {"type": "string"},
-        "email": {"type": "string"},
-        "product": {"type": "string"},
-        "order_id": {"type": "integer"},
-        "is_refund_requested": {"type": "boolean"},
-        "sentiment": {"type": "string", "enum": ["positive", "neutral", "negative"]},
-        "issues": {"type": "array", "items": {"type": "string"}},
-        "summary": {"type": "string"},
-    },
-    "required": [
-        "customer_name",
-        "email",
-        "product",
-        "order_id",
-        "is_refund_requested",
-        "sentiment",
-        "issues",
-        "summary",
-    ],
-    "additionalProperties": False,
-}
 
 
 def workload(args) -> tuple[list[list[int]], list[int]]:
@@ -305,67 +278,8 @@ def run_hf(args, path, dummy, runs_prompts, max_tokens) -> dict:
 ENGINES = {"nanovllm": run_nanovllm, "vllm": run_vllm, "hf": run_hf}
 
 
-def latency_batches(text: str) -> list[int]:
-    batches = [int(b) for b in text.split(",") if b.strip()]
-    if not batches or min(batches) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
-    return batches
-
-
 def latency_max_model_len(args) -> int:
     return max(args.latency_prompt_len, args.latency_ttft_len) + args.latency_decode_tokens
-
-
-def measure_latency(args, engine: str, generate) -> dict:
-    """Decode-step time per batch size and time to first token (see the module docstring).
-    ``generate(prompts, max_tokens)`` runs one generate with EOS ignored and returns the number
-    of output tokens; every call gets new random prompts, so the prefix cache never hits."""
-    rng = Random(1234)
-    prompt_len, steps = args.latency_prompt_len, args.latency_decode_tokens
-
-    def timed(batch: int, length: int, max_tokens: int) -> float:
-        prompts = [[rng.randint(0, 10000) for _ in range(length)] for _ in range(batch)]
-        start = time.perf_counter()
-        produced = generate(prompts, max_tokens)
-        elapsed = time.perf_counter() - start
-        if produced != batch * max_tokens:
-            raise RuntimeError(f"{engine}: {produced} output tokens, expected {batch} x {max_tokens}")
-        return elapsed
-
-    for batch in args.latency_batches:  # warm-up: every shape once
-        timed(batch, prompt_len, 1)
-        timed(batch, prompt_len, steps)
-    timed(1, args.latency_ttft_len, 1)
-    decode_ms = {}
-    for batch in args.latency_batches:
-        full, prefill = [], []
-        for _ in range(args.latency_repeats):
-            full.append(timed(batch, prompt_len, steps))
-            prefill.append(timed(batch, prompt_len, 1))
-        ms = (median(full) - median(prefill)) / (steps - 1) * 1000
-        decode_ms[str(batch)] = ms
-        print(
-            f"{engine} decode step, batch {batch}: {ms:.2f} ms = (generate {median(full) * 1000:.1f} ms "
-            f"- prefill {median(prefill) * 1000:.1f} ms) / {steps - 1} steps "
-            f"({prompt_len}-token prompts, median of {args.latency_repeats})",
-            flush=True,
-        )
-    ttft_ms = median(timed(1, args.latency_ttft_len, 1) for _ in range(args.latency_repeats)) * 1000
-    print(
-        f"{engine} TTFT, {args.latency_ttft_len:,}-token prompt: {ttft_ms:.1f} ms "
-        f"(median of {args.latency_repeats})",
-        flush=True,
-    )
-    return {
-        "engine": engine,
-        "mode": "latency",
-        "decode_step_ms": decode_ms,
-        "ttft_ms": ttft_ms,
-        "prompt_len": prompt_len,
-        "decode_tokens": steps,
-        "ttft_len": args.latency_ttft_len,
-        "repeats": args.latency_repeats,
-    }
 
 
 def latency_nanovllm(args, path, dummy) -> dict:
@@ -399,57 +313,6 @@ def latency_vllm(args, path, dummy) -> dict:
 
 
 LATENCY_ENGINES = {"nanovllm": latency_nanovllm, "vllm": latency_vllm}
-
-
-def matches_schema(value, schema: dict) -> bool:
-    """Whether a parsed JSON value satisfies ``schema`` (the keywords ``JSON_SCHEMA`` uses)."""
-    if "enum" in schema and value not in schema["enum"]:
-        return False
-    kind = schema.get("type")
-    if kind == "object":
-        if not isinstance(value, dict) or not set(schema.get("required", ())) <= value.keys():
-            return False
-        properties = schema.get("properties", {})
-        if schema.get("additionalProperties") is False and not value.keys() <= properties.keys():
-            return False
-        return all(matches_schema(v, properties.get(k, {})) for k, v in value.items())
-    if kind == "array":
-        return isinstance(value, list) and all(matches_schema(v, schema.get("items", {})) for v in value)
-    types = {"string": str, "boolean": bool, "integer": int, "number": (int, float)}
-    if kind in types and not isinstance(value, types[kind]):
-        return False
-    return not (kind in ("integer", "number") and isinstance(value, bool))
-
-
-def check_json_outputs(path: str, results: list[tuple[str | None, list[int]]]) -> str:
-    """A line on the constrained completions (not timed): finish reasons, how many finished ones
-    parse as records of ``JSON_SCHEMA``, and how many completions xgrammar's matcher accepts."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    reasons = Counter(str(reason) for reason, _ in results)
-    finished = [ids for reason, ids in results if reason == "stop"]
-    valid = 0
-    for ids in finished:
-        try:
-            valid += matches_schema(json.loads(tokenizer.decode(ids, skip_special_tokens=True)), JSON_SCHEMA)
-        except ValueError:
-            pass
-    line = ", ".join(f"{n} {reason}" for reason, n in reasons.most_common())
-    line += f"; {valid}/{len(finished)} stopped completions are records of the schema (json.loads)"
-    try:
-        import xgrammar as xgr
-    except ImportError:
-        return line + "; xgrammar not installed, no token-level check"
-    with open(os.path.join(path, "config.json")) as f:
-        vocab_size = json.load(f).get("vocab_size")
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(JSON_SCHEMA)  # vLLM's: any whitespace
-    followed = 0
-    for _, ids in results:
-        matcher = xgr.GrammarMatcher(compiled)
-        followed += all(matcher.accept_token(t) for t in ids)
-    return line + f"; {followed}/{len(results)} completions follow the schema token by token (xgrammar)"
 
 
 def child_argv(argv: list[str], per_child: tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
@@ -713,33 +576,6 @@ def print_table(rows: list[dict]) -> None:
             f"| {r['engine']} | {workload} | {r['times'][0]:.2f} | {tps:,.0f} | "
             f"{ratios[0]} | {ratios[1]} | {ratios[2]} | {later_runs(r)} |"
         )
-
-
-def print_latency_table(rows: list[dict]) -> None:
-    """One column per engine; with nanovllm and vLLM both, nanovllm's time over vLLM's."""
-    by_engine = {r["engine"]: r for r in rows if r.get("mode") == "latency"}
-    engines = list(by_engine)
-    ratio = "nanovllm" in by_engine and "vllm" in by_engine
-    figures = []  # (label, value per engine)
-    batches = dict.fromkeys(b for r in by_engine.values() for b in r["decode_step_ms"])
-    for b in batches:
-        values = {e: r["decode_step_ms"].get(b) for e, r in by_engine.items()}
-        figures.append((f"decode step, batch {b} (ms)", values))
-    lengths = sorted({r["ttft_len"] for r in by_engine.values()})
-    figures.append(
-        (
-            f"TTFT, {'/'.join(f'{n:,}' for n in lengths)}-token prompt (ms)",
-            {e: r["ttft_ms"] for e, r in by_engine.items()},
-        )
-    )
-    head = ["figure", *engines] + (["nanovllm / vLLM (time)"] if ratio else [])
-    print("\n| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
-    for label, values in figures:
-        cells = [label] + [f"{values[e]:.2f}" if values[e] is not None else "-" for e in engines]
-        if ratio:
-            n, v = values["nanovllm"], values["vllm"]
-            cells.append(f"{n / v:.2f}x" if n is not None and v else "-")
-        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

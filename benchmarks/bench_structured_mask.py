@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_structured_mask.py [--rows 256] [--threads 8]
 
-With the bench's JSON schema (``bench.JSON_SCHEMA``) and the byte-level tokenizer that fills
+With the bench's JSON schema (``benchmarks/structured_workload.py``) and the byte-level tokenizer that fills
 Qwen3's 151,936 logits (``write_large_tokenizer``): each row's matcher is first walked a random
 number of tokens into the record (random allowed tokens), then the medians of
 - the host fill of every row's bitmask (``StructuredOutputs.bitmask``, xgrammar's batch fill);
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from bench import JSON_SCHEMA
+from benchmarks.structured_workload import JSON_SCHEMA
 from nanovllm.demo_models import SHAPES, write_large_tokenizer
 from nanovllm.engine.structured_outputs import StructuredOutputs
 from nanovllm.execution.token_bitmask import BitmaskUpload
