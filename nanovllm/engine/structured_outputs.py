@@ -136,9 +136,6 @@ class StructuredOutputs:
     def track(self, seq_id: int, compiled: Future) -> None:
         self.matchers[seq_id] = GrammarMatcher(compiled)
 
-    def forget(self, seq_id: int) -> None:
-        self.matchers.pop(seq_id, None)
-
     def bitmask(self, step: ScheduledStep) -> np.ndarray:
         """The token bitmask of ``step.batch.structured_rows``, one int32 row each (bit ``t % 32``
         of word ``t // 32``: token ``t`` allowed); a row whose sequence has ended (its token will
@@ -151,9 +148,7 @@ class StructuredOutputs:
             if state is not None:
                 matchers.append(state.matcher())
                 indices.append(i)
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, indices[0])
-        elif matchers:
+        if matchers:
             if self._batch is None:
                 self._batch = _xgrammar().BatchGrammarMatcher()
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices)

@@ -264,18 +264,17 @@ class Scheduler:
                 updates.append(BlockTableUpdate(s.slot, sent, s.block_table[sent:]))
                 s.num_blocks_sent = len(s.block_table)
         num_decodes = len(from_previous) + len(decodes)
+        # rows that sample under a structured-output constraint: every decode, a chunk that ends
+        # its sequence's tokens
+        structured_rows = [r for r, s in enumerate(seqs[:num_decodes]) if s.params.structured_outputs]
         prompt_logprobs = []
         for row, (s, start, n) in enumerate(chunks, start=num_decodes):
             if s.params.prompt_logprobs is not None and start + 1 < s.num_prompt_tokens:
                 targets = s.token_ids[start + 1 : min(start + n + 1, s.num_prompt_tokens)]
                 k = s.params.prompt_logprobs
                 prompt_logprobs.append(PromptLogprobsRequest(row, start + 1, targets, k))
-        structured_rows = [
-            row
-            for row, s in enumerate(seqs)
-            if s.params.structured_outputs is not None
-            and (row < num_decodes or chunks[row - num_decodes][1] + chunks[row - num_decodes][2] == len(s))
-        ]
+            if s.params.structured_outputs is not None and start + n == len(s):
+                structured_rows.append(row)
         num_single = num_decodes + len(single)
         batch = StepBatch(
             slots=[s.slot for s in seqs],
