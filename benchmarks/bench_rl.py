@@ -88,7 +88,10 @@ def main() -> None:
         if args.small
         else {}
     )
-    options = dict(load_format="dummy", enable_sleep_mode=True, max_model_len=2048)
+    # the engine leaves room for a second copy of the weights (the trainer's, in a colocated run)
+    options = dict(
+        load_format="dummy", enable_sleep_mode=True, max_model_len=2048, gpu_memory_utilization=0.45
+    )
     if not cuda:
         options.update(device="cpu", dtype="float32")
 

@@ -45,7 +45,9 @@ def _quantize_blocks_ref(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     (rows, cols), (br, bc) = x.shape, block
     nr, nc = triton.cdiv(rows, br), triton.cdiv(cols, bc)
     padded = F.pad(x.float(), (0, nc * bc - cols, 0, nr * br - rows)).view(nr, br, nc, bc)
-    scales = (padded.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)
+    amax = padded.abs().amax(dim=(1, 3))
+    # a tensor divisor, not the number: CUDA divides by a number as a product with its reciprocal
+    scales = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     q = (padded / scales[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(nr * br, nc * bc)[:rows, :cols].contiguous(), scales
 
@@ -166,14 +168,16 @@ def fp8_channel_gemm_ref(
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_block_gemm_kernel(
+def _fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
     stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_wsk, stride_om,
-    SCALE_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    SCALE_GROUP: tl.constexpr, W_ROWS_PER_SCALE: tl.constexpr, GROUP_SCALES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile; tiles launched ``GROUP_M`` row tiles per column
-    tile, so neighbouring programs share weight tiles in L2."""
+    tile, so neighbouring programs share weight tiles in L2. ``GROUP_SCALES``: the scales change
+    along K (a scale stride of 0 repeats one), applied to each group's partial product; otherwise
+    one scale per row and per column, applied once to the sum."""
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     pid, per_group = tl.program_id(0), GROUP_M * tiles_n
     first_m = (pid // per_group) * GROUP_M
@@ -187,25 +191,31 @@ def _fp8_block_gemm_kernel(
     a_ptrs = a_ptr + m.to(tl.int64)[:, None] * stride_am + k[None, :]
     w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
     as_ptrs = as_ptr + m * stride_asm
-    ws_ptrs = ws_ptr + (n // SCALE_GROUP) * stride_wsn  # a column tile may span two weight blocks
+    ws_ptrs = ws_ptr + (n // W_ROWS_PER_SCALE) * stride_wsn  # a column tile may span two blocks
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k[None, :] < K - k0  # past K: zeros, which add nothing
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
-        g = k0 // SCALE_GROUP  # BLOCK_K divides the group: one scale per row / column per step
-        a_s = tl.load(as_ptrs + g * stride_ask, mask=m_ok, other=0.0)
-        w_s = tl.load(ws_ptrs + g * stride_wsk, mask=n_ok, other=0.0)
-        acc += tl.dot(a, w.T) * a_s[:, None] * w_s[None, :]
+        if GROUP_SCALES:
+            g = k0 // SCALE_GROUP  # BLOCK_K divides the group: one scale per row / column per step
+            a_s = tl.load(as_ptrs + g * stride_ask, mask=m_ok, other=0.0)
+            w_s = tl.load(ws_ptrs + g * stride_wsk, mask=n_ok, other=0.0)
+            acc += tl.dot(a, w.T) * a_s[:, None] * w_s[None, :]
+        else:
+            acc = tl.dot(a, w.T, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if not GROUP_SCALES:
+        a_s = tl.load(as_ptrs, mask=m_ok, other=0.0)
+        acc = acc * a_s[:, None] * tl.load(ws_ptrs, mask=n_ok, other=0.0)[None, :]
     out_ptrs = out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def fp8_block_gemm_config(m: int) -> dict:
-    """Tiles for ``m`` rows (untuned defaults for Hopper, to be swept): decode-sized ``m`` takes
-    thin tiles so that enough programs stream the weight, larger ``m`` squarer ones."""
+def fp8_gemm_config(m: int) -> dict:
+    """Tiles for ``m`` rows (untuned defaults for Hopper): decode-sized ``m`` takes thin tiles so
+    that enough programs stream the weight, larger ``m`` squarer ones."""
     if m <= 16:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5)
     if m <= 64:
@@ -215,17 +225,37 @@ def fp8_block_gemm_config(m: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def fp8_block_gemm(
+def _weight_scale_layout(w_scales: torch.Tensor, n: int, groups: int) -> tuple[int, int, int] | None:
+    """``(rows per scale, row stride, group stride)`` of the weight scales, or None if their shape
+    is none of the layouts."""
+    if w_scales.dim() == 1:
+        w_scales = w_scales[:, None]
+    if w_scales.dim() != 2 or w_scales.shape[1] not in (1, groups):
+        return None
+    group_stride = w_scales.stride(1) if w_scales.shape[1] > 1 else 0
+    if w_scales.shape[0] == n:
+        return 1, w_scales.stride(0), group_stride
+    if w_scales.shape[0] == triton.cdiv(n, GROUP):
+        return GROUP, w_scales.stride(0), group_stride
+    return None
+
+
+def fp8_gemm(
     a_fp8: torch.Tensor,
     a_scales: torch.Tensor,
     w_fp8: torch.Tensor,
-    w_scale_inv: torch.Tensor,
+    w_scales: torch.Tensor,
     out_dtype: torch.dtype,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`fp8_block_gemm_ref` (same arguments; fp32 sums in another order).
+    """``a [M, K]`` times ``w [N, K]`` transposed, both dequantized, fp32 sums, in ``out_dtype``.
+
+    Scale layouts (G = ceil(K / 128)): ``a_scales`` ``[M, G]`` per token and group of 128 features
+    or ``[M, 1]`` per token; ``w_scales`` ``[ceil(N / 128), G]`` per 128 x 128 block (as
+    :func:`fp8_block_gemm_ref`), ``[N, G]`` per row and group (blocks repeated per row, as the
+    engine keeps them), or ``[N]`` / ``[N, 1]`` per output channel (as :func:`fp8_channel_gemm_ref`).
     ``a_fp8`` and ``w_fp8`` need a unit stride in their last dimension; the scales may have any
-    strides. ``config`` overrides :func:`fp8_block_gemm_config`'s tiles: ``BLOCK_M``, ``BLOCK_N``
+    strides. ``config`` overrides :func:`fp8_gemm_config`'s tiles: ``BLOCK_M``, ``BLOCK_N``
     (powers of two >= 16), ``BLOCK_K`` (a power of two dividing 128, >= 32), ``GROUP_M``,
     ``num_warps``, ``num_stages``. On CUDA it needs float8 tensor cores (sm_89+)."""
     if a_fp8.dtype != FP8 or w_fp8.dtype != FP8:
@@ -234,20 +264,22 @@ def fp8_block_gemm(
         raise ValueError(f"a [M, K] and w [N, K] do not fit: {tuple(a_fp8.shape)}, {tuple(w_fp8.shape)}")
     (m, k), n = a_fp8.shape, w_fp8.shape[0]
     groups = triton.cdiv(k, GROUP)
-    if a_scales.shape != (m, groups) or w_scale_inv.shape != (triton.cdiv(n, GROUP), groups):
+    w_layout = _weight_scale_layout(w_scales, n, groups)
+    a_fits = a_scales.dim() == 2 and a_scales.shape[0] == m and a_scales.shape[1] in (1, groups)
+    if not a_fits or w_layout is None:
         raise ValueError(
-            f"scales {tuple(a_scales.shape)} / {tuple(w_scale_inv.shape)} must be [{m}, {groups}] / "
-            f"[{triton.cdiv(n, GROUP)}, {groups}]"
+            f"scales {tuple(a_scales.shape)} / {tuple(w_scales.shape)} must be [{m}, {groups} or 1] / "
+            f"[{triton.cdiv(n, GROUP)} or {n}, {groups}] or [{n}]"
         )
-    if a_scales.dtype != torch.float32 or w_scale_inv.dtype != torch.float32:
-        raise ValueError(f"scales must be float32: {a_scales.dtype}, {w_scale_inv.dtype}")
+    if a_scales.dtype != torch.float32 or w_scales.dtype != torch.float32:
+        raise ValueError(f"scales must be float32: {a_scales.dtype}, {w_scales.dtype}")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be bf16, fp16 or fp32: {out_dtype}")
     if a_fp8.stride(-1) != 1 or w_fp8.stride(-1) != 1:
         raise ValueError("a_fp8 and w_fp8 need a unit stride in the last dimension")
     if a_fp8.is_cuda and capability(a_fp8.device) < (8, 9):
-        raise ValueError("fp8_block_gemm needs float8 tensor cores (compute capability 8.9+)")
-    cfg = fp8_block_gemm_config(m) | (config or {})
+        raise ValueError("fp8_gemm needs float8 tensor cores (compute capability 8.9+)")
+    cfg = fp8_gemm_config(m) | (config or {})
     if GROUP % cfg["BLOCK_K"] or cfg["BLOCK_K"] < 32:
         raise ValueError(f"BLOCK_K must be a power of two >= 32 dividing {GROUP}: {cfg['BLOCK_K']}")
     out = torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
@@ -255,11 +287,14 @@ def fp8_block_gemm(
         return out
     if not k:
         return out.zero_()
+    a_group_stride = a_scales.stride(1) if a_scales.shape[1] > 1 else 0
+    rows_per_scale, w_row_stride, w_group_stride = w_layout
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _fp8_block_gemm_kernel[grid](
-        a_fp8, a_scales, w_fp8, w_scale_inv, out, m, n, k,
-        a_fp8.stride(0), a_scales.stride(0), a_scales.stride(1), w_fp8.stride(0),
-        w_scale_inv.stride(0), w_scale_inv.stride(1), out.stride(0),
-        SCALE_GROUP=GROUP, **cfg,
+    _fp8_gemm_kernel[grid](
+        a_fp8, a_scales, w_fp8, w_scales, out, m, n, k,
+        a_fp8.stride(0), a_scales.stride(0), a_group_stride, w_fp8.stride(0),
+        w_row_stride, w_group_stride, out.stride(0),
+        SCALE_GROUP=GROUP, W_ROWS_PER_SCALE=rows_per_scale,
+        GROUP_SCALES=groups > 1 and (a_group_stride != 0 or w_group_stride != 0), **cfg,
     )  # fmt: skip
     return out

@@ -8,21 +8,28 @@ fly, as vLLM's dynamic FP8 does. Two layouts:
   output row (``[rows, ceil(in / 128)]``, so that rows can be split and interleaved like the
   weight's); the input one scale per token and 128 features.
 
-The product is computed here in float64 on every device for now: products of e4m3 values are
-exact there, and so are their sums over up to 2,048 input features, so the result does not
-depend on how a matrix library orders them (exact, not yet fast); the CUDA kernels
-(``kernels/fp8.py``) take its place once measured.
-"""
+On CPU the product is computed in float64: products of e4m3 values are exact there, and so are
+their sums over up to 2,048 input features, so the result does not depend on how a matrix library
+orders them (the tests' oracle rounds the same way). On CUDA the input is quantized by a Triton
+kernel and the product runs on fp8 tensor cores with fp32 sums: per-channel weights through
+cuBLAS (``torch._scaled_mm`` with row-wise scales) from :data:`CUBLAS_MIN_ROWS` rows, below that
+and for block scales the Triton GEMM of ``kernels/fp8.py`` (``benchmarks/bench_fp8.py``: at 1-16
+rows it reads the weight faster than cuBLAS; from 64 rows cuBLAS is ahead)."""
 
 import torch
 
 from nanovllm.kernels.fp8 import (
     FP8,
     GROUP,
+    fp8_gemm,
+    quantize_per_token_group,
     quantize_per_token_group_ref,
     quantize_weight_blockwise_ref,
     quantize_weight_per_channel_ref,
 )
+
+CUBLAS_MIN_ROWS = 33
+CUBLAS_ALIGN = 16  # cuBLAS's fp8 GEMMs need both matrix widths divisible by 16
 
 
 def quantize_weight(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,11 +47,20 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``x @ dequant(weight).T (+ bias)`` with ``x`` rounded to FP8 per token, in ``x``'s dtype."""
     rows = x.reshape(-1, x.shape[-1])
-    x_fp8, x_scale = quantize_per_token_group_ref(rows, group=rows.shape[-1])
-    y = fp8_product(x_fp8, x_scale, weight, scale).to(x.dtype)
+    (m, k), n = rows.shape, weight.shape[0]
+    if not rows.is_cuda:
+        x_fp8, x_scale = quantize_per_token_group_ref(rows, group=k)
+        y = fp8_product(x_fp8, x_scale, weight, scale).to(x.dtype)
+    else:
+        x_fp8, x_scale = quantize_per_token_group(rows, group=k)
+        aligned = not (k % CUBLAS_ALIGN or n % CUBLAS_ALIGN)
+        if m >= CUBLAS_MIN_ROWS and x.dtype == torch.bfloat16 and aligned:
+            y = torch._scaled_mm(x_fp8, weight.T, x_scale, scale.view(1, n), out_dtype=x.dtype)
+        else:
+            y = fp8_gemm(x_fp8, x_scale, weight, scale, x.dtype)
     if bias is not None:
         y = y + bias
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return y.view(*x.shape[:-1], n)
 
 
 def fp8_product(
@@ -75,13 +91,16 @@ def fp8_block_linear(
     x: torch.Tensor, weight: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``x @ dequant(weight).T (+ bias)``: ``x`` rounded to FP8 per token and 128 features, the
-    weight's groups of 128 input features scaled by ``row_scales [out, groups]``; float64 inside."""
+    weight's groups of 128 input features scaled by ``row_scales [out, groups]``."""
     rows = x.reshape(-1, x.shape[-1])
-    x_fp8, x_scales = quantize_per_token_group_ref(rows, group=GROUP)
     k = rows.shape[-1]
-    x_deq = x_fp8.double() * x_scales.double().repeat_interleave(GROUP, dim=1)[:, :k]
-    w_deq = weight.double() * row_scales.double().repeat_interleave(GROUP, dim=1)[:, :k]
-    y = (x_deq @ w_deq.T).to(x.dtype)
+    if rows.is_cuda:
+        y = fp8_gemm(*quantize_per_token_group(rows, group=GROUP), weight, row_scales, x.dtype)
+    else:
+        x_fp8, x_scales = quantize_per_token_group_ref(rows, group=GROUP)
+        x_deq = x_fp8.double() * x_scales.double().repeat_interleave(GROUP, dim=1)[:, :k]
+        w_deq = weight.double() * row_scales.double().repeat_interleave(GROUP, dim=1)[:, :k]
+        y = (x_deq @ w_deq.T).to(x.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], weight.shape[0])

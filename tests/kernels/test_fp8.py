@@ -170,10 +170,37 @@ def gemm_operands(m, n, k, seed, device):
     return [t.to(device) for t in (a_fp8, a_scales, w_fp8, w_scale_inv)]
 
 
+def channel_operands(m, n, k, seed, device):
+    """Per-token activations, per-channel weights: ``quantization="fp8"``'s layout."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-1, 1, m)[:, None]
+    w = torch.randn(n, k, generator=gen) * 0.05 * torch.logspace(-1, 1, n)[:, None]
+    a_fp8, a_scale = fp8.quantize_per_token_group_ref(x, group=k)
+    w_fp8, w_scale = fp8.quantize_weight_per_channel_ref(w)
+    return [t.to(device) for t in (a_fp8, a_scale, w_fp8, w_scale)]
+
+
+def check_channel_gemm(args, out_dtype, rel):
+    """The per-token x per-channel product vs its reference (as :func:`check_gemm`)."""
+    a_fp8, a_scale, w_fp8, w_scale = args
+    ref32 = fp8.fp8_channel_gemm_ref(*args, torch.float32).cpu().double()
+    bound = (a_fp8.cpu().double().abs() @ w_fp8.cpu().double().abs().T) * a_scale.cpu().double()
+    bound = bound * w_scale.cpu().double()[None, :]
+    ref = ref32.to(out_dtype).double()
+    tol = rel * bound
+    if out_dtype != torch.float32:
+        tol = tol + torch.finfo(out_dtype).eps * torch.exp2(torch.frexp(ref32).exponent.double() - 1)
+    for w_scale_shape in (w_scale, w_scale[:, None]):
+        out = fp8.fp8_gemm(a_fp8, a_scale, w_fp8, w_scale_shape, out_dtype)
+        assert out.dtype == out_dtype and out.shape == ref.shape
+        err = (out.cpu().double() - ref).abs()
+        assert (err <= tol).all(), f"max error {err.max().item():.3g}"
+
+
 def check_gemm(args, out_dtype, rel, config=None):
     """Kernel vs reference, errors bounded relative to the sum of absolute terms; a 16-bit output
     also within one ulp of the fp32 reference rounded to it (the interpreter truncates to bf16)."""
-    out = fp8.fp8_block_gemm(*args, out_dtype, config=config)
+    out = fp8.fp8_gemm(*args, out_dtype, config=config)
     ref32 = fp8.fp8_block_gemm_ref(*args, torch.float32)
     assert out.dtype == out_dtype and out.shape == ref32.shape
     assert torch.equal(fp8.fp8_block_gemm_ref(*args, out_dtype), ref32.to(out_dtype))
@@ -196,6 +223,21 @@ def check_gemm(args, out_dtype, rel, config=None):
 @pytest.mark.parametrize("k", [128, 256, 320])
 def test_block_gemm_matches_reference(out_dtype, m, n, k):
     check_gemm(gemm_operands(m, n, k, m * n + k, DEVICE), out_dtype, 1e-5)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 128, 128), (16, 200, 320), (65, 384, 256), (3, 48, 100)])
+def test_channel_gemm_matches_reference(m, n, k):
+    check_channel_gemm(channel_operands(m, n, k, m + n + k, DEVICE), torch.float32, 1e-5)
+
+
+def test_block_scales_kept_per_row_give_the_block_product():
+    """The engine's layout of an FP8 checkpoint's scales: each 128 x 128 block's scale repeated
+    on every row of the block (so that rows can be split across ranks)."""
+    a_fp8, a_scales, w_fp8, w_scale_inv = gemm_operands(9, 300, 256, 11, DEVICE)
+    per_row = w_scale_inv.repeat_interleave(128, dim=0)[:300]
+    out = fp8.fp8_gemm(a_fp8, a_scales, w_fp8, per_row, torch.float32)
+    assert torch.equal(out, fp8.fp8_gemm(a_fp8, a_scales, w_fp8, w_scale_inv, torch.float32))
+    check_gemm([a_fp8, a_scales, w_fp8, w_scale_inv], torch.float32, 1e-5)
 
 
 @pytest.mark.parametrize(
@@ -225,19 +267,21 @@ def test_block_gemm_16bit_outputs_and_quantized_activations(out_dtype):
 
 def test_block_gemm_empty_and_bad_inputs():
     a_fp8, a_scales, w_fp8, w_scale_inv = gemm_operands(3, 130, 200, 6, DEVICE)
-    assert fp8.fp8_block_gemm(a_fp8[:0], a_scales[:0], w_fp8, w_scale_inv, torch.bfloat16).shape == (0, 130)
+    assert fp8.fp8_gemm(a_fp8[:0], a_scales[:0], w_fp8, w_scale_inv, torch.bfloat16).shape == (0, 130)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
-        fp8.fp8_block_gemm(a_fp8.float(), a_scales, w_fp8, w_scale_inv, torch.float32)
+        fp8.fp8_gemm(a_fp8.float(), a_scales, w_fp8, w_scale_inv, torch.float32)
     with pytest.raises(ValueError, match="do not fit"):
-        fp8.fp8_block_gemm(a_fp8, a_scales, w_fp8[:, :128], w_scale_inv, torch.float32)
+        fp8.fp8_gemm(a_fp8, a_scales, w_fp8[:, :128], w_scale_inv, torch.float32)
     with pytest.raises(ValueError, match="scales"):
-        fp8.fp8_block_gemm(a_fp8, a_scales[:, :1], w_fp8, w_scale_inv, torch.float32)
+        fp8.fp8_gemm(a_fp8, a_scales[:2], w_fp8, w_scale_inv, torch.float32)
+    with pytest.raises(ValueError, match="scales"):
+        fp8.fp8_gemm(a_fp8, a_scales, w_fp8, w_scale_inv[:, :1].repeat(1, 3), torch.float32)
     with pytest.raises(ValueError, match="float32"):
-        fp8.fp8_block_gemm(a_fp8, a_scales.half(), w_fp8, w_scale_inv, torch.float32)
+        fp8.fp8_gemm(a_fp8, a_scales.half(), w_fp8, w_scale_inv, torch.float32)
     with pytest.raises(ValueError, match="out_dtype"):
-        fp8.fp8_block_gemm(a_fp8, a_scales, w_fp8, w_scale_inv, torch.int32)
+        fp8.fp8_gemm(a_fp8, a_scales, w_fp8, w_scale_inv, torch.int32)
     with pytest.raises(ValueError, match="BLOCK_K"):
-        fp8.fp8_block_gemm(a_fp8, a_scales, w_fp8, w_scale_inv, torch.float32, config=dict(BLOCK_K=256))
+        fp8.fp8_gemm(a_fp8, a_scales, w_fp8, w_scale_inv, torch.float32, config=dict(BLOCK_K=256))
 
 
 # The compiled kernels on CUDA. The GEMM's tolerance is looser than on the CPU: Hopper's fp8 tensor
@@ -261,3 +305,12 @@ def test_compiled_quantizer_matches_reference_on_cuda(dtype, m, k, group):
 @pytest.mark.parametrize("n, k", [(4096, 4096), (6144, 4096), (4096, 12288), (1000, 1100)])
 def test_compiled_block_gemm_matches_reference_on_cuda(out_dtype, m, n, k):
     check_gemm(gemm_operands(m, n, k, m + n + k, "cuda"), out_dtype, GPU_GEMM_REL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 16, 64, 1024])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 12288), (1000, 1104)])
+def test_compiled_channel_gemm_matches_reference_on_cuda(out_dtype, m, n, k):
+    check_channel_gemm(channel_operands(m, n, k, m + n + k, "cuda"), out_dtype, GPU_GEMM_REL)

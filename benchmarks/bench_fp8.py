@@ -1,0 +1,125 @@
+"""FP8 linear layers against bf16 at a step's row counts: which kernel to run for each layout.
+
+    PYTHONPATH=. python3 benchmarks/bench_fp8.py [--shape qwen3-8b] [--rows 1,16,64,256,1024,4096]
+
+For each projection of the shape (qkv, o, gate_up, down), timed as a CUDA-graph replay over
+``--layers`` layers' weights (so that no layer finds its weight in L2, as in a step):
+
+- ``bf16``: ``F.linear`` (cuBLAS), the baseline;
+- ``rowwise``: per-token activation quantization (``quantize_per_token_group`` over the whole
+  row) then ``torch._scaled_mm`` with row-wise scales, as ``quantization="fp8"`` would run it;
+  ``rowwise mm`` the product alone;
+- ``block``: per-token-and-128 quantization then the Triton block-scaled GEMM
+  (``fp8_gemm``), as an FP8 checkpoint's layers would run; ``block mm`` the GEMM alone;
+- ``block cublas``: the same product through ``torch._scaled_mm``'s 1x128 / 128x128 block scales,
+  where this torch and cuBLAS have them.
+
+Every kernel's output is checked against the plain-torch reference before it is timed. Prints
+microseconds per projection, the four together, and each column's speed-up over bf16.
+"""
+
+import argparse
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.bench_gemm import graph_us, projections
+from nanovllm.demo_models import SHAPES
+from nanovllm.kernels.fp8 import (
+    GROUP,
+    fp8_block_gemm_ref,
+    fp8_channel_gemm_ref,
+    fp8_gemm,
+    quantize_per_token_group,
+    quantize_weight_blockwise_ref,
+    quantize_weight_per_channel_ref,
+)
+
+
+def rowwise(x, w, w_scale, mm_only=False, x_q=None):
+    if mm_only:
+        q, s = x_q
+    else:
+        q, s = quantize_per_token_group(x, group=x.shape[1])
+    return torch._scaled_mm(q, w.T, scale_a=s, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
+
+
+def block(x, w, w_scale_inv, mm_only=False, x_q=None):
+    q, s = x_q if mm_only else quantize_per_token_group(x, group=GROUP)
+    return fp8_gemm(q, s, w, w_scale_inv, torch.bfloat16)
+
+
+def block_cublas(x, w, w_scale_inv, x_q=None):
+    q, s = x_q
+    # cuBLAS wants the activation scales column-major ([M, K/128] with stride (1, M))
+    return torch._scaled_mm(
+        q, w.T, scale_a=s.t().contiguous().t(), scale_b=w_scale_inv.t(), out_dtype=torch.bfloat16
+    )
+
+
+def check(name: str, got: torch.Tensor, expected: torch.Tensor) -> None:
+    err = (got.float() - expected.float()).abs().max().item() / expected.float().abs().max().item()
+    if err > 2e-2:
+        raise AssertionError(f"{name} off by {err:.3g} (relative)")
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--rows", default="1,16,64,256,1024,4096,16384")
+    parser.add_argument("--layers", type=int, default=6, help="layers' weights per graph")
+    parser.add_argument("--rep-ms", type=int, default=60)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    torch.manual_seed(0)
+    dims = projections(args.shape)
+    weights = {}
+    for name, (k, n) in dims.items():
+        per_layer = []
+        for _ in range(args.layers):
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+            per_layer.append((w, quantize_weight_per_channel_ref(w), quantize_weight_blockwise_ref(w)))
+        weights[name] = per_layer
+    columns = ["bf16", "rowwise", "rowwise mm", "block", "block mm", "block cublas"]
+    print(f"{torch.cuda.get_device_name()}, {args.shape}, {args.layers} layers' weights per graph, us")
+    print(f"{'rows':>6} {'proj':>8} " + " ".join(f"{c:>13}" for c in columns))
+    for rows in map(int, args.rows.split(",")):
+        totals = dict.fromkeys(columns, 0.0)
+        for name, (k, _) in dims.items():
+            xs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(args.layers)]
+            per_row = [quantize_per_token_group(x, group=k) for x in xs]
+            per_group = [quantize_per_token_group(x, group=GROUP) for x in xs]
+            (w, (wc, sc), (wb, sb)), x = weights[name][0], xs[0]
+            check("rowwise", rowwise(x, wc, sc), fp8_channel_gemm_ref(*per_row[0], wc, sc, torch.bfloat16))
+            check("block", block(x, wb, sb), fp8_block_gemm_ref(*per_group[0], wb, sb, torch.bfloat16))
+            layers = list(zip(xs, weights[name], per_row, per_group))
+            calls = {
+                "bf16": [partial(F.linear, x, w) for x, (w, _, _), _, _ in layers],
+                "rowwise": [partial(rowwise, x, *c) for x, (_, c, _), _, _ in layers],
+                "rowwise mm": [partial(rowwise, x, *c, True, q) for x, (_, c, _), q, _ in layers],
+                "block": [partial(block, x, *b) for x, (_, _, b), _, _ in layers],
+                "block mm": [partial(block, x, *b, True, g) for x, (_, _, b), _, g in layers],
+                "block cublas": [partial(block_cublas, x, *b, g) for x, (_, _, b), _, g in layers],
+            }
+            times = {}
+            for column, fns in calls.items():
+                try:
+                    if column == "block cublas":
+                        check(column, fns[0](), fp8_block_gemm_ref(*per_group[0], wb, sb, torch.bfloat16))
+                    times[column] = graph_us(fns, args.rep_ms)
+                except (RuntimeError, AssertionError, NotImplementedError) as e:
+                    times[column] = float("nan")
+                    if rows == 1 and name == "qkv":
+                        print(f"  {column}: {str(e).splitlines()[0][:150]}")
+                totals[column] += times[column]
+            print(f"{rows:>6} {name:>8} " + " ".join(f"{times[c]:>13.1f}" for c in columns))
+        print(f"{rows:>6} {'all':>8} " + " ".join(f"{totals[c]:>13.1f}" for c in columns))
+        speedups = " ".join(f"{totals['bf16'] / totals[c]:>12.2f}x" for c in columns)
+        print(f"{rows:>6} {'speedup':>8} " + speedups)
+
+
+if __name__ == "__main__":
+    main()
