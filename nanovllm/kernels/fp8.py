@@ -202,8 +202,8 @@ def _fp8_gemm_kernel(
             a_s = tl.load(as_ptrs + g * stride_ask, mask=m_ok, other=0.0)
             w_s = tl.load(ws_ptrs + g * stride_wsk, mask=n_ok, other=0.0)
             acc += tl.dot(a, w.T) * a_s[:, None] * w_s[None, :]
-        else:
-            acc = tl.dot(a, w.T, acc)
+        else:  # a fresh dot per step: Hopper's fp8 MMA accumulates in reduced precision (~14 bits)
+            acc += tl.dot(a, w.T)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not GROUP_SCALES:

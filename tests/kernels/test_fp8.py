@@ -180,8 +180,9 @@ def channel_operands(m, n, k, seed, device):
     return [t.to(device) for t in (a_fp8, a_scale, w_fp8, w_scale)]
 
 
-def check_channel_gemm(args, out_dtype, rel):
-    """The per-token x per-channel product vs its reference (as :func:`check_gemm`)."""
+def check_channel_gemm(args, out_dtype, rel, products=None):
+    """The per-token x per-channel product vs its reference (as :func:`check_gemm`); ``products``:
+    outputs to check, by default ``fp8_gemm``'s with the weight scales as ``[N]`` and ``[N, 1]``."""
     a_fp8, a_scale, w_fp8, w_scale = args
     ref32 = fp8.fp8_channel_gemm_ref(*args, torch.float32).cpu().double()
     bound = (a_fp8.cpu().double().abs() @ w_fp8.cpu().double().abs().T) * a_scale.cpu().double()
@@ -190,8 +191,9 @@ def check_channel_gemm(args, out_dtype, rel):
     tol = rel * bound
     if out_dtype != torch.float32:
         tol = tol + torch.finfo(out_dtype).eps * torch.exp2(torch.frexp(ref32).exponent.double() - 1)
-    for w_scale_shape in (w_scale, w_scale[:, None]):
-        out = fp8.fp8_gemm(a_fp8, a_scale, w_fp8, w_scale_shape, out_dtype)
+    if products is None:
+        products = [fp8.fp8_gemm(a_fp8, a_scale, w_fp8, s, out_dtype) for s in (w_scale, w_scale[:, None])]
+    for out in products:
         assert out.dtype == out_dtype and out.shape == ref.shape
         err = (out.cpu().double() - ref).abs()
         assert (err <= tol).all(), f"max error {err.max().item():.3g}"
@@ -314,3 +316,21 @@ def test_compiled_block_gemm_matches_reference_on_cuda(out_dtype, m, n, k):
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 12288), (1000, 1104)])
 def test_compiled_channel_gemm_matches_reference_on_cuda(out_dtype, m, n, k):
     check_channel_gemm(channel_operands(m, n, k, m + n + k, "cuda"), out_dtype, GPU_GEMM_REL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 32, 33, 512])
+def test_fp8_layer_on_cuda_matches_reference(m):
+    """The FP8 layer's CUDA path (quantizer, then the Triton GEMM below ``CUBLAS_MIN_ROWS`` rows
+    and cuBLAS's row-wise scaled GEMM from there) against the references."""
+    from nanovllm.layers.fp8 import fp8_linear
+
+    gen = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, 4096, generator=gen) * torch.logspace(-1, 1, m)[:, None]).to("cuda", torch.bfloat16)
+    w_fp8, w_scale = [
+        t.cuda() for t in fp8.quantize_weight_per_channel_ref(torch.randn(6144, 4096, generator=gen))
+    ]
+    a_fp8, a_scale = fp8.quantize_per_token_group_ref(x, group=4096)
+    got = fp8_linear(x, w_fp8, w_scale, None)
+    check_channel_gemm([a_fp8, a_scale, w_fp8, w_scale], torch.bfloat16, GPU_GEMM_REL, products=[got])
