@@ -7,8 +7,15 @@ from torch import nn
 from nanovllm.kernels.fp8 import FP8
 from nanovllm.kernels.gate_up_silu import gate_up_silu, gate_up_silu_fits, gate_up_silu_ref
 from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from nanovllm.layers.fp8 import QuantizedActivation, quantize_per_token
 from nanovllm.layers.linear import ColumnParallelLinear
 from nanovllm.layers.parallel import TPGroup, copy_weight, shard_of
+
+
+def swiglu_fp8(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU of the interleaved gate/up output, rounded to FP8 per token (one fused kernel when
+    compiled)."""
+    return quantize_per_token(silu_and_mul_ref(y))
 
 
 class GateUpSwiGLU(ColumnParallelLinear):
@@ -20,10 +27,15 @@ class GateUpSwiGLU(ColumnParallelLinear):
     and a separate SwiGLU kernel.
     """
 
+    compilable = ("swiglu_fp8_fn",)
+
     def __init__(
         self, input_size: int, intermediate_size: int, tp: TPGroup = TPGroup(), quant: str | None = None
     ):
         super().__init__(input_size, 2 * intermediate_size, False, tp, quant)
+        # with per-channel FP8 weights the down projection takes its input rounded to FP8 here
+        self.fp8_output = quant == "fp8"
+        self.swiglu_fp8_fn = swiglu_fp8
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         rows = param.data[shard_id::2]
@@ -32,6 +44,8 @@ class GateUpSwiGLU(ColumnParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == FP8:
             y = self.fp8_forward(x, None)
+            if self.fp8_output:
+                return QuantizedActivation(*self.swiglu_fp8_fn(y), y.dtype)
             return silu_and_mul(y) if y.is_cuda else silu_and_mul_ref(y)
         if not x.is_cuda:
             return gate_up_silu_ref(x, self.weight)

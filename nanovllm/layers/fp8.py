@@ -16,6 +16,8 @@ cuBLAS (``torch._scaled_mm`` with row-wise scales) from :data:`CUBLAS_MIN_ROWS` 
 and for block scales the Triton GEMM of ``kernels/fp8.py`` (``benchmarks/bench_fp8.py``: at 1-16
 rows it reads the weight faster than cuBLAS; from 64 rows cuBLAS is ahead)."""
 
+from typing import NamedTuple
+
 import torch
 
 from nanovllm.kernels.fp8 import (
@@ -27,6 +29,26 @@ from nanovllm.kernels.fp8 import (
     quantize_weight_blockwise_ref,
     quantize_weight_per_channel_ref,
 )
+
+
+class QuantizedActivation(NamedTuple):
+    """A layer's input already rounded to FP8 by the op that produced it (with per-channel
+    weights: the RMSNorm before q/k/v and gate/up, the SwiGLU before down), so that no separate
+    pass quantizes it: ``values`` ``[tokens, features]`` e4m3, ``scale`` ``[tokens, 1]`` per
+    token (``[tokens, groups]`` per token and 128 features for block scales), ``dtype`` the
+    model dtype the layer returns."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` rounded to FP8 per token as the ``"fp8"`` layers round their input, in
+    plain torch ops, so that ``torch.compile`` fuses it into the op producing ``x`` on CUDA."""
+    rows = x.reshape(-1, x.shape[-1])
+    return quantize_per_token_group_ref(rows, group=rows.shape[-1])
+
 
 CUBLAS_MIN_ROWS = 33
 CUBLAS_ALIGN = 16  # cuBLAS's fp8 GEMMs need both matrix widths divisible by 16
@@ -42,25 +64,38 @@ def quantize_weight(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_weight_per_channel_ref(loaded)
 
 
-def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``x @ dequant(weight).T (+ bias)`` with ``x`` rounded to FP8 per token, in ``x``'s dtype."""
+def _rows(x: torch.Tensor | QuantizedActivation, group: int):
+    """``(x_fp8, x_scales, dtype, leading shape)`` of a layer's input, quantized here unless it
+    comes quantized."""
+    if isinstance(x, QuantizedActivation):
+        return x.values, x.scale, x.dtype, x.values.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
-    (m, k), n = rows.shape, weight.shape[0]
-    if not rows.is_cuda:
-        x_fp8, x_scale = quantize_per_token_group_ref(rows, group=k)
-        y = fp8_product(x_fp8, x_scale, weight, scale).to(x.dtype)
+    group = group or rows.shape[-1]
+    quantize = quantize_per_token_group if rows.is_cuda else quantize_per_token_group_ref
+    return *quantize(rows, group=group), x.dtype, x.shape[:-1]
+
+
+def fp8_linear(
+    x: torch.Tensor | QuantizedActivation,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``x @ dequant(weight).T (+ bias)`` with ``x`` rounded to FP8 per token (unless it comes
+    rounded), in the model dtype."""
+    x_fp8, x_scale, dtype, lead = _rows(x, 0)
+    (m, k), n = x_fp8.shape, weight.shape[0]
+    if not x_fp8.is_cuda:
+        y = fp8_product(x_fp8, x_scale, weight, scale).to(dtype)
     else:
-        x_fp8, x_scale = quantize_per_token_group(rows, group=k)
         aligned = not (k % CUBLAS_ALIGN or n % CUBLAS_ALIGN)
-        if m >= CUBLAS_MIN_ROWS and x.dtype == torch.bfloat16 and aligned:
-            y = torch._scaled_mm(x_fp8, weight.T, x_scale, scale.view(1, n), out_dtype=x.dtype)
+        if m >= CUBLAS_MIN_ROWS and dtype == torch.bfloat16 and aligned:
+            y = torch._scaled_mm(x_fp8, weight.T, x_scale, scale.view(1, n), out_dtype=dtype)
         else:
-            y = fp8_gemm(x_fp8, x_scale, weight, scale, x.dtype)
+            y = fp8_gemm(x_fp8, x_scale, weight, scale, dtype)
     if bias is not None:
         y = y + bias
-    return y.view(*x.shape[:-1], n)
+    return y.view(*lead, n)
 
 
 def fp8_product(
@@ -88,19 +123,22 @@ def block_scales_per_row(scale_inv: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_block_linear(
-    x: torch.Tensor, weight: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor | QuantizedActivation,
+    weight: torch.Tensor,
+    row_scales: torch.Tensor,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``x @ dequant(weight).T (+ bias)``: ``x`` rounded to FP8 per token and 128 features, the
-    weight's groups of 128 input features scaled by ``row_scales [out, groups]``."""
-    rows = x.reshape(-1, x.shape[-1])
-    k = rows.shape[-1]
-    if rows.is_cuda:
-        y = fp8_gemm(*quantize_per_token_group(rows, group=GROUP), weight, row_scales, x.dtype)
+    """``x @ dequant(weight).T (+ bias)``: ``x`` rounded to FP8 per token and 128 features (unless
+    it comes rounded), the weight's groups of 128 input features scaled by ``row_scales [out,
+    groups]``, in the model dtype."""
+    x_fp8, x_scales, dtype, lead = _rows(x, GROUP)
+    k = x_fp8.shape[-1]
+    if x_fp8.is_cuda:
+        y = fp8_gemm(x_fp8, x_scales, weight, row_scales, dtype)
     else:
-        x_fp8, x_scales = quantize_per_token_group_ref(rows, group=GROUP)
         x_deq = x_fp8.double() * x_scales.double().repeat_interleave(GROUP, dim=1)[:, :k]
         w_deq = weight.double() * row_scales.double().repeat_interleave(GROUP, dim=1)[:, :k]
-        y = (x_deq @ w_deq.T).to(x.dtype)
+        y = (x_deq @ w_deq.T).to(dtype)
     if bias is not None:
         y = y + bias
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return y.view(*lead, weight.shape[0])

@@ -117,8 +117,12 @@ class DecoderLayer(nn.Module):
         moe = is_moe_layer(config, index)
         self.ffn_name = arch.moe_block if moe else "mlp"
         setattr(self, self.ffn_name, SparseMoeBlock(config, tp) if moe else DecoderMLP(config, tp, quant))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # per-channel FP8 projections take their input rounded to FP8 by the norm before them
+        fp8_input = quant == "fp8"
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp8_input)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, fp8_input and not moe
+        )
 
     def forward(
         self,
