@@ -57,8 +57,9 @@ class LinearBase(nn.Module):
 
     def fp8_weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
         """Quantize a checkpoint weight (per output channel, over whole rows), then route the FP8
-        rows and their scales as the model-dtype weight's loader routes its rows."""
-        weight, scale = quantize_weight(loaded)
+        rows and their scales as the model-dtype weight's loader routes its rows (quantized where
+        the parameter lives: on the GPU, not the host's cores)."""
+        weight, scale = quantize_weight(loaded if param.is_meta else loaded.to(param.device))
         type(self).weight_loader(self, param, weight, *shard_id)
         target = (
             self.weight_scale if not param.is_meta else torch.empty_like(self.weight_scale, device="meta")
@@ -69,7 +70,7 @@ class LinearBase(nn.Module):
         """An FP8 checkpoint's weight as stored; a model-dtype one (a weight update) quantized
         by 128 x 128 blocks first, its scales loaded with it."""
         if loaded.dtype != FP8:
-            loaded, scale_inv = quantize_weight_blocks(loaded)
+            loaded, scale_inv = quantize_weight_blocks(loaded if param.is_meta else loaded.to(param.device))
             target = torch.empty_like(self.weight_scale_inv, device="meta") if param.is_meta else None
             self.fp8_block_scale_loader(target, scale_inv, *shard_id)
         type(self).weight_loader(self, param, loaded, *shard_id)
