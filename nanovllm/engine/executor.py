@@ -11,6 +11,11 @@ from nanovllm.scheduling import StepBatch, StepOutput
 class PendingOutput(Protocol):
     """A launched step, whose output is read back when asked for."""
 
+    def bitmask_buffer(self, rows: int) -> np.ndarray:
+        """A writable int32 array ``[rows, ceil(vocab / 32)]`` to fill and hand to
+        :meth:`sample_with_bitmask` (on a GPU, pinned host memory the upload reads as it is)."""
+        ...
+
     def sample_with_bitmask(self, bitmask: np.ndarray) -> None:
         """Sample a step with ``structured_rows``: ``bitmask`` (int32, one row per structured
         row, bit ``t % 32`` of word ``t // 32`` allowing token ``t``) masks their logits first.

@@ -216,8 +216,12 @@ class LLMEngine(EngineControls):
     def _sample_under_constraints(self, launched: InFlightStep) -> None:
         """Hand a launched step with rows under a structured-output constraint its token
         bitmask, filled from their grammars (which must have taken every earlier token)."""
-        if launched.step.batch.structured_rows:
-            launched.output.sample_with_bitmask(self.structured_outputs.bitmask(launched.step))
+        rows = launched.step.batch.structured_rows
+        if rows:
+            bitmask = self.structured_outputs.bitmask(
+                launched.step, launched.output.bitmask_buffer(len(rows))
+            )
+            launched.output.sample_with_bitmask(bitmask)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self.in_flight

@@ -136,18 +136,25 @@ class StructuredOutputs:
     def track(self, seq_id: int, compiled: Future) -> None:
         self.matchers[seq_id] = GrammarMatcher(compiled)
 
-    def bitmask(self, step: ScheduledStep) -> np.ndarray:
+    def bitmask(self, step: ScheduledStep, out: np.ndarray | None = None) -> np.ndarray:
         """The token bitmask of ``step.batch.structured_rows``, one int32 row each (bit ``t % 32``
-        of word ``t // 32``: token ``t`` allowed); a row whose sequence has ended (its token will
-        be dropped) allows every token."""
+        of word ``t // 32``: token ``t`` allowed), written into ``out`` when given; a row whose
+        sequence has ended (its token will be dropped) allows every token."""
         rows = step.batch.structured_rows
-        bitmask = np.full((len(rows), self.num_words), -1, dtype=np.int32)
+        shape = (len(rows), self.num_words)
+        bitmask = np.empty(shape, dtype=np.int32) if out is None else out
+        if bitmask.shape != shape or bitmask.dtype != np.int32:
+            raise ValueError(
+                f"the bitmask buffer must be int32 of shape {shape}, got {bitmask.dtype} {bitmask.shape}"
+            )
         matchers, indices = [], []
         for i, row in enumerate(rows):
             state = self.matchers.get(step.seqs[row].seq_id)
             if state is not None:
                 matchers.append(state.matcher())
                 indices.append(i)
+            else:
+                bitmask[i] = -1
         if matchers:
             if self._batch is None:
                 self._batch = _xgrammar().BatchGrammarMatcher()

@@ -39,6 +39,7 @@ class PendingOutput:
         self.logprobs: LogprobTensors | None = None
         self.event = None
         self.sample_later: Callable[[np.ndarray], None] | None = None
+        self.bitmask_upload: BitmaskUpload | None = None
 
     def sampled_as(self, sampled: torch.Tensor, logprobs: LogprobTensors | None) -> None:
         """The step's samples: their copy to the host starts now."""
@@ -47,6 +48,11 @@ class PendingOutput:
         if sampled.is_cuda:
             self.event = torch.cuda.Event()
             self.event.record()
+
+    def bitmask_buffer(self, rows: int) -> np.ndarray:
+        if self.bitmask_upload is None:
+            raise RuntimeError("this step has no row under a structured-output constraint")
+        return self.bitmask_upload.host_rows_view(rows)
 
     def sample_with_bitmask(self, bitmask: np.ndarray) -> None:
         if self.sample_later is None:
@@ -211,6 +217,7 @@ class ModelRunner:
         if batch.structured_rows:
             rows = batch.structured_rows
             pending.sample_later = functools.partial(self._sample, pending, logits, inputs, rows)
+            pending.bitmask_upload = self.bitmasks
             self.unsampled = pending
         else:
             self._sample(pending, logits, inputs)

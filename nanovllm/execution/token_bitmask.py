@@ -26,6 +26,13 @@ class BitmaskUpload:
             self.host_rows = torch.empty(self.max_rows, dtype=torch.int64, pin_memory=pin)
         return self.host_bitmask, self.host_rows
 
+    def host_rows_view(self, rows: int) -> np.ndarray:
+        """The first ``rows`` rows of the pinned bitmask buffer, to be filled in place and passed
+        to :meth:`apply` (which then copies nothing on the host)."""
+        if rows > self.max_rows:
+            raise ValueError(f"{rows} bitmask rows, at most {self.max_rows}")
+        return self._buffers()[0][:rows].numpy()
+
     def apply(self, logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
         """Mask ``logits`` rows ``rows`` with ``bitmask`` (one int32 row each)."""
         if bitmask.shape != (len(rows), self.num_words) or bitmask.dtype != np.int32:
@@ -36,7 +43,8 @@ class BitmaskUpload:
         host_bitmask, host_rows = self._buffers()
         n = len(rows)
         # the previous step's copy is done: its samples were read back before this fill
-        host_bitmask[:n].numpy()[:] = bitmask
+        if bitmask.ctypes.data != host_bitmask.data_ptr():  # not filled in place
+            host_bitmask[:n].numpy()[:] = bitmask
         host_rows[:n].numpy()[:] = rows
         device_bitmask = host_bitmask[:n].to(self.device, non_blocking=True)
         device_rows = host_rows[:n].to(self.device, non_blocking=True)

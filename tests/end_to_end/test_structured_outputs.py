@@ -337,11 +337,11 @@ def test_ctrl_c_while_a_step_awaits_its_bitmask_leaves_the_engine_correct(json_m
         structured = engine.llm_engine.structured_outputs
         fill, calls = structured.bitmask, [0]
 
-        def interrupted(step):
+        def interrupted(step, out=None):
             calls[0] += 1
             if calls[0] == 3:
                 raise KeyboardInterrupt
-            return fill(step)
+            return fill(step, out)
 
         monkeypatch.setattr(structured, "bitmask", interrupted)
         with pytest.raises(KeyboardInterrupt):

@@ -112,3 +112,37 @@ def test_compiled_kernel_matches_reference_on_cuda(dtype):
     check_against_reference(256, 151936, rows, 151936 // 32, dtype, "cuda")
     few = torch.randperm(64, generator=torch.Generator().manual_seed(2))[:50].tolist()
     check_against_reference(64, 151665, few, 4740, dtype, "cuda")  # vocab past the bitmask
+
+
+ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_CUDA)])
+def test_upload_filled_in_place_or_copied(device):
+    """``BitmaskUpload.apply`` masks the same rows whether the bitmask was written into its own
+    (pinned, on CUDA) buffer or comes as a separate array, step after step."""
+    import numpy as np
+
+    from nanovllm.execution.token_bitmask import BitmaskUpload
+
+    vocab, rows = 1000, [3, 0, 5]
+    upload = BitmaskUpload(torch.device(device), max_rows=8, vocab_size=vocab)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(3):
+        bitmask = random_bitmask(len(rows), upload.num_words, gen)
+        logits = torch.randn(8, vocab, generator=gen)
+        want = logits.clone()
+        kb.apply_token_bitmask_ref(want, bitmask, torch.tensor(rows))
+        if step % 2:
+            got = logits.to(device)
+            upload.apply(got, rows, bitmask.numpy().copy())
+        else:
+            view = upload.host_rows_view(len(rows))
+            view[:] = bitmask.numpy()
+            got = logits.to(device)
+            upload.apply(got, rows, view)
+        assert torch.equal(got.cpu(), want)
+    with pytest.raises(ValueError, match="at most 8"):
+        upload.host_rows_view(9)
+    with pytest.raises(ValueError, match="int32"):
+        upload.apply(logits, rows, np.zeros((3, upload.num_words), dtype=np.int64))
