@@ -104,8 +104,8 @@ class Config:
     dtype: str = "auto"
     quantization: str | None = None
     """"fp8": the linear layers' weights quantized to float8 e4m3 as they load (one scale per
-    output channel), their inputs per token; embeddings, norms and the LM head stay in ``dtype``.
-    Dense models only, for now."""
+    output channel), their inputs per token, and so are a mixture-of-experts model's experts (the
+    router stays in ``dtype``); embeddings, norms and the LM head stay in ``dtype``."""
     kv_cache_dtype: str = "auto"
     """"auto" stores K/V in ``dtype``; "fp8" (or "fp8_e4m3") in float8 e4m3 with a scale of
     1.0, as vLLM's default: half the bytes to read per decoded token, twice the tokens cached."""
@@ -364,8 +364,12 @@ class Config:
                 f"quantization={self.quantization!r} is not supported: None or 'fp8' (weights quantized "
                 "to float8 as they load); for another format, load the bf16/fp16 checkpoint"
             )
-        if self.quantization and moe_settings(self.hf_config)[0]:
-            raise ValueError("quantization='fp8' is not implemented for mixture-of-experts models yet")
+        if self.linear_weights == "fp8_block" and moe_settings(self.hf_config)[0]:
+            # quantization="fp8" quantizes experts as they load; stored block-scaled experts are not read
+            raise ValueError(
+                "FP8 checkpoints (128 x 128 block scales) are not implemented for mixture-of-experts "
+                "models yet: load the bf16/fp16 checkpoint with quantization='fp8'"
+            )
 
     def _resolve_kv_cache_dtype(self) -> str:
         """``dtype`` for "auto", else "fp8" (checked against the backend and the GPU)."""

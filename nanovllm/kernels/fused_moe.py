@@ -1,5 +1,5 @@
 """Mixture-of-experts SwiGLU experts (Qwen3-MoE / Mixtral) as two grouped GEMMs, beside a torch
-reference.
+reference; the experts' weights in the activation dtype, or in float8 e4m3 (``quantization="fp8"``).
 
 Rounding, shared by both (and Hugging Face's ``Qwen3MoeExperts``): the gate and up projections,
 silu, its product with up and the down projection are each rounded to the activation dtype, as
@@ -9,6 +9,15 @@ dtype: pass ``topk_weights`` rounded to it for the same result). The ``top_k`` w
 token are summed in fp32 and rounded once, in a fixed order (deterministic); HF ``index_add_``s them
 in the activation dtype expert by expert: the same result for ``top_k <= 2`` (tested bit for bit
 in bf16), one rounding more per extra expert otherwise.
+
+FP8: ``w13`` / ``w2`` hold e4m3 values with one float32 scale per expert and output row
+(``w13_scale [experts, 2 * inter]``, ``w2_scale [experts, hidden]``). Each GEMM's input is rounded
+to e4m3 first, one scale per row over the whole row (a token's hidden state for gate / up; a
+pair's ``silu(gate) * up``, already rounded to the activation dtype, for down); the product of
+the e4m3 values is scaled by row scale x weight scale and rounded to the activation dtype where
+the 16/32-bit product is. The reference computes each product in float64, where products of e4m3
+values and their sums are exact (a matrix library's order cannot change them); the kernels sum
+in fp32 on fp8 tensor cores.
 """
 
 import torch
@@ -16,7 +25,68 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.device import capability
+from nanovllm.kernels.fp8 import FP8, quantize_per_token_group, quantize_per_token_group_ref
 from nanovllm.kernels.moe_align import moe_align
+
+ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+) -> bool:
+    """``ValueError`` unless the arguments fit together; returns whether the weights are FP8."""
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"x, w13, w2 must be 2-d, 3-d, 3-d: {x.dim()}, {w13.dim()}, {w2.dim()}")
+    tokens, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    if w13.shape != (num_experts, 2 * inter, hidden) or w2.shape[1] != hidden:
+        raise ValueError(
+            f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit [experts, 2 * inter, {hidden}] / "
+            f"[experts, {hidden}, inter]"
+        )
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
+            f"be [{tokens}, top_k]"
+        )
+    if not topk_weights.dtype.is_floating_point:
+        raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    fp8 = w13.dtype == FP8
+    if fp8:
+        if x.dtype not in ACT_DTYPES or w2.dtype != FP8:
+            raise ValueError(f"x must be fp32/fp16/bf16 and w2 e4m3 like w13: {x.dtype}, {w2.dtype}")
+        if w13_scale is None or w2_scale is None:
+            raise ValueError("e4m3 weights need w13_scale and w2_scale")
+        if w13_scale.shape != w13.shape[:2] or w2_scale.shape != w2.shape[:2]:
+            raise ValueError(
+                f"w13_scale {tuple(w13_scale.shape)} / w2_scale {tuple(w2_scale.shape)} must be "
+                f"{tuple(w13.shape[:2])} / {tuple(w2.shape[:2])}: one per expert and output row"
+            )
+        if w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32:
+            raise ValueError(f"weight scales must be float32: {w13_scale.dtype}, {w2_scale.dtype}")
+    else:
+        if x.dtype not in ACT_DTYPES or not x.dtype == w13.dtype == w2.dtype:
+            raise ValueError(f"x, w13, w2 must share one float dtype: {x.dtype}, {w13.dtype}, {w2.dtype}")
+        if w13_scale is not None or w2_scale is not None:
+            raise ValueError(f"weight scales go with e4m3 weights, not {w13.dtype}")
+    return fp8
+
+
+def _expert_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, w)``; for an e4m3 ``w`` (``w_scale`` per row), ``x`` rounded to e4m3 per row
+    and the e4m3 product computed in float64, scaled, then rounded once to ``x``'s dtype."""
+    if w_scale is None:
+        return F.linear(x, w)
+    x_fp8, x_scale = quantize_per_token_group_ref(x, group=x.shape[1])
+    exact = x_fp8.double() @ w.double().T  # exact: 8-bit significands, rows up to 2^17 long
+    return (exact * x_scale.double() * w_scale.double()).to(x.dtype)
 
 
 def fused_moe_ref(
@@ -25,29 +95,38 @@ def fused_moe_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-expert torch loop. ``x`` ``[tokens, hidden]``; ``w13`` ``[experts, 2 * inter, hidden]``
     (gate rows then up rows); ``w2`` ``[experts, hidden, inter]``; ``topk_weights`` /
     ``topk_ids`` ``[tokens, top_k]``. Returns ``[tokens, hidden]`` in ``x.dtype``:
-    ``sum_k weight_k * down(silu(gate(x)) * up(x))`` over the token's experts (syncs with the host)."""
+    ``sum_k weight_k * down(silu(gate(x)) * up(x))`` over the token's experts (syncs with the host).
+    e4m3 ``w13`` / ``w2`` take their scales ``w13_scale [experts, 2 * inter]`` / ``w2_scale
+    [experts, hidden]`` (float32) and run as the module docstring says."""
+    _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     tokens, top_k = topk_ids.shape
     out = torch.zeros(tokens, top_k, x.shape[1], dtype=x.dtype, device=x.device)
     for e in topk_ids.unique().tolist():
         kpos, tok = torch.where(topk_ids.t() == e)  # HF's row order: by k, then by token
-        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, w2[e])
+        gate, up = _expert_linear(x[tok], w13[e], None if w13_scale is None else w13_scale[e]).chunk(2, -1)
+        h = _expert_linear(F.silu(gate) * up, w2[e], None if w2_scale is None else w2_scale[e])
         out[tok, kpos] = (h.float() * topk_weights[tok, kpos, None].float()).to(x.dtype)
     return out.sum(1, dtype=torch.float32).to(x.dtype)
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr,
+    x_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr, x_scale_ptr, w_scale_ptr,
     num_pairs, top_k, hidden, inter,
-    stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_om, stride_xsm, stride_wse,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
-    """out[pair, n] = silu(x[token] @ gate[e, n]) * (x[token] @ up[e, n]) for one block of pairs."""
+    """out[pair, n] = silu(x[token] @ gate[e, n]) * (x[token] @ up[e, n]) for one block of pairs.
+    ``FP8``: ``x`` and ``w`` hold e4m3 values, scaled per token (``x_scale``) and per expert and
+    row (``w_scale``) once the sums are done."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # the grid is sized for the worst case
         return
@@ -66,11 +145,22 @@ def _gate_up_kernel(
     for k0 in range(0, hidden, BLOCK_K):
         a = tl.load(x_ptrs, mask=valid[:, None] & (k[None, :] < hidden - k0), other=0.0)
         w_mask = (n[None, :] < inter) & (k[:, None] < hidden - k0)
-        gate = tl.dot(a, tl.load(g_ptrs, mask=w_mask, other=0.0), gate, input_precision=DOT_PRECISION)
-        up = tl.dot(a, tl.load(u_ptrs, mask=w_mask, other=0.0), up, input_precision=DOT_PRECISION)
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0)
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        if FP8:  # a fresh dot per step: Hopper's fp8 MMA accumulates in reduced precision
+            gate += tl.dot(a, g)
+            up += tl.dot(a, u)
+        else:
+            gate = tl.dot(a, g, gate, input_precision=DOT_PRECISION)
+            up = tl.dot(a, u, up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
+    if FP8:
+        x_s = tl.load(x_scale_ptr + tokens * stride_xsm, mask=valid, other=0.0)[:, None]
+        s_ptrs = w_scale_ptr + e * stride_wse + n
+        gate = gate * x_s * tl.load(s_ptrs, mask=n < inter, other=0.0)[None, :]
+        up = up * x_s * tl.load(s_ptrs + inter, mask=n < inter, other=0.0)[None, :]
     # round each step to the activation dtype, as the reference's separate torch ops do
     dt = out_ptr.dtype.element_ty
     gate = gate.to(dt).to(tl.float32)
@@ -83,11 +173,15 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr,
+    h_scale_ptr, w_scale_ptr,
     num_pairs, hidden, inter,
-    stride_hm, stride_we, stride_wn, stride_wk, stride_om,
+    stride_hm, stride_we, stride_wn, stride_wk, stride_om, stride_hsm, stride_wse,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
-    """out[pair, n] = weight[pair] * (h[pair] @ down[e, n]) for one block of pairs."""
+    """out[pair, n] = weight[pair] * (h[pair] @ down[e, n]) for one block of pairs. ``FP8``: ``h``
+    and ``w`` hold e4m3 values, scaled per pair (``h_scale``) and per expert and row (``w_scale``)
+    once the sums are done."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -103,9 +197,16 @@ def _down_kernel(
     for k0 in range(0, inter, BLOCK_K):
         a = tl.load(h_ptrs, mask=valid[:, None] & (k[None, :] < inter - k0), other=0.0)
         w = tl.load(w_ptrs, mask=(n[None, :] < hidden) & (k[:, None] < inter - k0), other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if FP8:  # a fresh dot per step, as in the gate / up kernel
+            acc += tl.dot(a, w)
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
+    if FP8:
+        h_s = tl.load(h_scale_ptr + rows64 * stride_hsm, mask=valid, other=0.0)
+        w_s = tl.load(w_scale_ptr + e * stride_wse + n, mask=n < hidden, other=0.0)
+        acc = acc * h_s[:, None] * w_s[None, :]
     dt = out_ptr.dtype.element_ty
     weight = tl.load(topk_weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     out = (acc.to(dt).to(tl.float32) * weight[:, None]).to(dt)
@@ -116,7 +217,7 @@ def _down_kernel(
 def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     """Tiles, from a sweep on the H200 at Qwen3-30B-A3B's shape: BLOCK_M follows the pairs an
     expert gets on average (padding is wasted work); fp32 keeps to smaller tiles so the staged
-    ones fit in shared memory."""
+    ones fit in shared memory. ``dtype``: the GEMM operands' (e4m3 takes the 16-bit tiles, untuned)."""
     per_expert = num_pairs / num_experts
     if dtype == torch.float32:
         block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
@@ -136,39 +237,36 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: dict | None = None,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`fused_moe_ref` (same arguments and semantics), without host syncs;
     ``topk_ids`` must lie in ``[0, experts)`` (unchecked: checking would sync with the host).
-    ``config`` overrides the tiles: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` (powers of two >= 16),
-    ``num_warps``, ``num_stages``."""
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"x, w13, w2 must be 2-d, 3-d, 3-d: {x.dim()}, {w13.dim()}, {w2.dim()}")
-    tokens, hidden = x.shape
-    num_experts, inter = w2.shape[0], w2.shape[2]
-    if w13.shape != (num_experts, 2 * inter, hidden) or w2.shape[1] != hidden:
-        raise ValueError(
-            f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit [experts, 2 * inter, {hidden}] / "
-            f"[experts, {hidden}, inter]"
-        )
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
-            f"be [{tokens}, top_k]"
-        )
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not x.dtype == w13.dtype == w2.dtype:
-        raise ValueError(f"x, w13, w2 must share one float dtype: {x.dtype}, {w13.dtype}, {w2.dtype}")
-    if not topk_weights.dtype.is_floating_point:
-        raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    ``config`` overrides the tiles: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` (powers of two >= 16;
+    ``BLOCK_K`` >= 32 for e4m3 weights), ``num_warps``, ``num_stages``. With e4m3 weights each
+    GEMM's input is quantized by :func:`~nanovllm.kernels.fp8.quantize_per_token_group` first, and
+    on CUDA it needs float8 tensor cores (compute capability 8.9+)."""
+    fp8 = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     if x.stride(1) != 1:
         raise ValueError("x needs a unit stride in the last dimension")
+    if fp8 and (w13_scale.stride(1) != 1 or w2_scale.stride(1) != 1):
+        raise ValueError("w13_scale and w2_scale need a unit stride in the last dimension")
+    if fp8 and x.is_cuda and capability(x.device) < (8, 9):
+        raise ValueError("e4m3 experts need float8 tensor cores (compute capability 8.9+)")
+    tokens, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
     num_pairs = tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    cfg = _config(num_pairs, num_experts, x.dtype) | (config or {})
+    cfg = _config(num_pairs, num_experts, torch.bfloat16 if fp8 else x.dtype) | (config or {})
     tiles = {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    if fp8 and tiles["BLOCK_K"] < 32:  # the fp8 MMA's K is 32
+        raise ValueError(f"BLOCK_K must be at least 32 for e4m3 weights: {tiles['BLOCK_K']}")
     launch = dict(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        FP8=fp8,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **tiles,
@@ -176,18 +274,26 @@ def fused_moe(
     sorted_ids, expert_of_block, num_padded = moe_align(topk_ids, num_experts, tiles["BLOCK_M"])
     weights = topk_weights.reshape(-1).contiguous()
     num_blocks = expert_of_block.numel()
+    # e4m3: each token's hidden state rounded once, whichever experts read it; without, the scale
+    # pointers are never read (any tensor stands in)
+    a, a_scale = quantize_per_token_group(x, group=hidden) if fp8 else (x, x)
+    w13_s = w13_scale if fp8 else x
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]))](
-        x, w13, h, sorted_ids, expert_of_block, num_padded,
+        a, w13, h, sorted_ids, expert_of_block, num_padded, a_scale, w13_s,
         num_pairs, top_k, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
+        a.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
+        a_scale.stride(0), w13_s.stride(0),
         **launch,
     )  # fmt: skip
+    h, h_scale = quantize_per_token_group(h, group=inter) if fp8 else (h, h)
+    w2_s = w2_scale if fp8 else x
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, tiles["BLOCK_N"]))](
-        h, w2, out, weights, sorted_ids, expert_of_block, num_padded,
+        h, w2, out, weights, sorted_ids, expert_of_block, num_padded, h_scale, w2_s,
         num_pairs, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
+        h_scale.stride(0), w2_s.stride(0),
         **launch,
     )  # fmt: skip
     # fixed-order fp32 sum over k (deterministic, unlike atomics), rounded once like the reference

@@ -1,56 +1,146 @@
 """Mixture-of-experts SwiGLU experts, stacked per layer; tensor parallelism splits every
-expert's intermediate size across ranks (no expert is split unevenly, no token is moved)."""
+expert's intermediate size across ranks (no expert is split unevenly, no token is moved).
+
+With ``quantization="fp8"`` the experts' weights are held in float8 e4m3, quantized as they load
+with one float32 scale per expert and output row, each row scaled over its whole length before
+the tensor-parallel split (every rank agrees on a row's scale; ``down_proj``'s rows are split
+along their length, so a rank keeps its slice of the whole row's e4m3 values and its scale)."""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import nn
 
+from nanovllm.kernels.fp8 import FP8
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
+from nanovllm.layers.fp8 import quantize_weight
 from nanovllm.layers.parallel import TPGroup, copy_weight, divide, shard_of
+
+_DEFAULT_QUANT: ContextVar[str | None] = ContextVar("moe_quant", default=None)
+
+
+@contextmanager
+def expert_quantization(quant: str | None) -> Iterator[None]:
+    """:class:`FusedMoE` layers built inside hold their weights as ``quant`` says (None: the model
+    dtype; "fp8": e4m3) unless given ``quant`` themselves: the loader builds the model inside,
+    so that the model's own code need not thread the setting down to its experts."""
+    token = _DEFAULT_QUANT.set(quant)
+    try:
+        yield
+    finally:
+        _DEFAULT_QUANT.reset(token)
+
+
+def _quantize_rows(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``[..., rows, in]`` weight as ``(e4m3 weight, scale [..., rows])``, each row scaled over
+    its whole length (a meta tensor gives meta outputs: a dry run's shapes)."""
+    weight, scale = quantize_weight(loaded.reshape(-1, loaded.shape[-1]))
+    return weight.view(loaded.shape), scale.view(loaded.shape[:-1])
 
 
 class FusedMoE(nn.Module):
     """``w13`` ``[experts, 2 * intermediate / tp, hidden]`` (gate rows, then up rows) and ``w2``
     ``[experts, hidden, intermediate / tp]``, loaded from each expert's Hugging Face
-    ``gate_proj`` / ``up_proj`` / ``down_proj``."""
+    ``gate_proj`` / ``up_proj`` / ``down_proj`` (or transformers' stacked ``gate_up_proj`` /
+    ``down_proj``). ``quant="fp8"``: both in e4m3, with ``w13_scale [experts, 2 * intermediate /
+    tp]`` and ``w2_scale [experts, hidden]`` (float32), written by the weights' loader; ``None``:
+    the setting of an enclosing :func:`expert_quantization`, else the model dtype."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TPGroup,
+        quant: str | None = None,
+    ):
         super().__init__()
+        quant = _DEFAULT_QUANT.get() if quant is None else quant
+        if quant not in (None, "fp8"):
+            raise ValueError(f"mixture-of-experts weights can be held as None or 'fp8', not {quant!r}")
         self.tp = tp
         inter = divide(intermediate_size, tp.size)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
-        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        dtype = FP8 if quant == "fp8" else None
+        w13 = torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype)
+        w2 = torch.empty(num_experts, hidden_size, inter, dtype=dtype)
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+        if quant == "fp8":
+            scale13 = torch.ones(num_experts, 2 * inter, dtype=torch.float32)
+            scale2 = torch.ones(num_experts, hidden_size, dtype=torch.float32)
+            self.w13_scale = nn.Parameter(scale13, requires_grad=False)
+            self.w2_scale = nn.Parameter(scale2, requires_grad=False)
+            # written with the weights: no checkpoint tensor of their own
+            self.w13_scale.derived = self.w2_scale.derived = True
+            self.w13.weight_loader = self.w2.weight_loader = self.fp8_weight_loader
+        else:
+            self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int | None, int | None]
-    ):
+    ) -> None:
         """``shard_id``: (expert, 0 for gate / 1 for up / None for down); expert None: every
         expert at once, as transformers keeps them in memory (``gate_up_proj`` ``[experts,
         2 * intermediate, hidden]``, gate rows first; ``down_proj`` ``[experts, hidden,
         intermediate]``)."""
+        self._route(param.data, loaded, shard_id, split_columns=True)
+
+    def fp8_weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int | None, int | None]
+    ) -> None:
+        """As :meth:`weight_loader`, for e4m3 weights: ``loaded`` (16/32-bit, or e4m3 values taken
+        as numbers) is quantized per row over its whole length, then its e4m3 rows and their scales
+        go where the model-dtype weight's rows would. A loader's dry run (a meta ``param``) writes
+        no scale either."""
         expert, half = shard_id
-        if expert is None:
-            if half is None:
-                copy_weight(param.data, shard_of(loaded, 2, self.tp, param.shape[2]))
-                return
-            inter = param.shape[1] // 2
-            if loaded.dim() != 3 or loaded.shape[1] != 2 * inter * self.tp.size:
+        if loaded.dim() != (3 if expert is None else 2):
+            raise ValueError(
+                f"has shape {tuple(loaded.shape)}, expected {3 if expert is None else 2} dimensions"
+            )
+        weight, scale = _quantize_rows(loaded)
+        scales = self.w2_scale if half is None else self.w13_scale
+        if param.is_meta:
+            scales = torch.empty_like(scales, device="meta")
+        self._route(param.data, weight, shard_id, split_columns=True)
+        # a scale belongs to a whole row: w13's are split with their rows, w2's not at all
+        self._route(scales.data, scale, shard_id, split_columns=False)
+
+    def _route(
+        self,
+        dst: torch.Tensor,
+        loaded: torch.Tensor,
+        shard_id: tuple[int | None, int | None],
+        split_columns: bool,
+    ) -> None:
+        """Copy this rank's part of the whole checkpoint tensor ``loaded`` into ``dst`` (``w13`` /
+        ``w2`` or their scales, which lack the last dimension). ``split_columns``: ``w2``'s last
+        dimension is this rank's slice of the intermediate size (false for its scales)."""
+        expert, half = shard_id
+        dst = dst if expert is None else dst[expert]
+        if half is None:  # down_proj
+            if split_columns:
+                loaded = shard_of(loaded, dst.dim() - 1, self.tp, dst.shape[-1])
+            copy_weight(dst, loaded)
+            return
+        row_dim = 1 if expert is None else 0  # gate / up rows, split across ranks
+        inter = dst.shape[row_dim] // 2
+        if expert is None:  # gate rows then up rows, each split across ranks
+            if loaded.dim() <= row_dim or loaded.shape[row_dim] != 2 * inter * self.tp.size:
                 raise ValueError(
-                    f"has shape {tuple(loaded.shape)}, expected {2 * inter * self.tp.size} along dimension 1"
+                    f"has shape {tuple(loaded.shape)}, expected {2 * inter * self.tp.size} along "
+                    f"dimension {row_dim}"
                 )
-            for part, rows in enumerate(loaded.chunk(2, dim=1)):
-                copy_weight(
-                    param.data[:, part * inter : (part + 1) * inter], shard_of(rows, 1, self.tp, inter)
-                )
-            return
-        if half is None:
-            copy_weight(param.data[expert], shard_of(loaded, 1, self.tp, param.shape[2]))
-            return
-        inter = param.shape[1] // 2
-        copy_weight(
-            param.data[expert, half * inter : (half + 1) * inter], shard_of(loaded, 0, self.tp, inter)
-        )
+            parts = list(enumerate(loaded.chunk(2, dim=row_dim)))
+        else:
+            parts = [(half, loaded)]
+        for part, rows in parts:
+            copy_weight(dst.narrow(row_dim, part * inter, inter), shard_of(rows, row_dim, self.tp, inter))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         moe = fused_moe if x.is_cuda else fused_moe_ref
-        return self.tp.all_reduce(moe(x, self.w13, self.w2, topk_weights, topk_ids))
+        scales = {}
+        if self.w13.dtype == FP8:
+            scales = dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale)
+        return self.tp.all_reduce(moe(x, self.w13, self.w2, topk_weights, topk_ids, **scales))

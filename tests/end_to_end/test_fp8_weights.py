@@ -111,15 +111,26 @@ def test_fp8_weights_take_half_the_bytes_of_bf16(qwen3_dir):
     "options, message",
     [
         (dict(quantization="awq"), "quantization='awq' is not supported"),
-        (dict(quantization="fp8", architecture="Qwen3MoeForCausalLM"), "mixture-of-experts"),
+        (dict(architecture="Qwen3MoeForCausalLM", fp8_blocks=True), "mixture-of-experts"),
     ],
 )
 def test_unsupported_settings_are_refused(tmp_path, options, message):
+    import json
+
     architecture = options.pop("architecture", "Qwen3ForCausalLM")
+    fp8_blocks = options.pop("fp8_blocks", False)
     moe = (
         dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2) if "Moe" in architecture else {}
     )
     path = make_random_checkpoint(str(tmp_path), architecture, **moe)
+    if fp8_blocks:  # an FP8 checkpoint's config (its block-scaled experts are not read: refused first)
+        with open(f"{path}/config.json") as f:
+            config = json.load(f)
+        config["quantization_config"] = dict(
+            quant_method="fp8", activation_scheme="dynamic", fmt="e4m3", weight_block_size=[128, 128]
+        )
+        with open(f"{path}/config.json", "w") as f:
+            json.dump(config, f)
     with pytest.raises(ValueError, match=message):
         LLM(path, **OPTIONS, **options)
 
@@ -274,3 +285,157 @@ def test_an_fp8_block_model_takes_model_dtype_updates(tmp_path, prompts):
         )  # bf16/fp32 tensors: quantized here
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+# --- mixture-of-experts models: the experts' weights in e4m3 too -------------------------------
+
+MOE = dict(
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,  # HF sums a token's two expert outputs as nanovllm does (see below)
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.0,
+    num_hidden_layers=3,
+    mlp_only_layers=[1],  # a dense layer between two MoE layers
+)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> str:
+    return make_random_checkpoint(str(tmp_path_factory.mktemp("moe")), "Qwen3MoeForCausalLM", seed=11, **MOE)
+
+
+def fp8_experts_forward(experts: nn.Module, parts: int):
+    """Hugging Face's ``Qwen3MoeExperts.forward`` as nanovllm's FP8 experts compute it on ``parts``
+    ranks: each expert's gate / up / down rows in e4m3 with a scale per whole row (down's rows then
+    split across ranks), each projection's input rounded to e4m3 per row (down's: each rank's
+    slice of ``silu(gate) * up``), each product exact (float64), rounded to the dtype. Per rank,
+    HF's loop weights and sums a token's expert outputs (fp32 here: with two experts, the single
+    rounding of nanovllm's fp32 sum); the ranks' sums are then added in rank order."""
+    gate_up, down = experts.gate_up_proj.data, experts.down_proj.data
+    num_experts, two_inter, hidden = gate_up.shape
+    inter = two_inter // 2
+    gate_up_fp8, gate_up_scale = quantize_weight_per_channel_ref(gate_up.reshape(-1, hidden))
+    gate_up_fp8, gate_up_scale = gate_up_fp8.view(gate_up.shape), gate_up_scale.view(num_experts, two_inter)
+    down_fp8, down_scale = quantize_weight_per_channel_ref(down.reshape(-1, inter))
+    down_fp8, down_scale = down_fp8.view(down.shape), down_scale.view(num_experts, hidden)
+
+    def product(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+        x_fp8, x_scale = quantize_per_token_group_ref(x, group=x.shape[-1])
+        exact = (x_fp8.double() @ w_fp8.double().T) * x_scale.double() * w_scale.double()
+        return exact.to(x.dtype)
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        assert top_k_index.shape[1] <= 2  # beyond two experts HF's sum rounds more often
+        final = torch.zeros_like(hidden_states)
+        size = inter // parts
+        for rank in range(parts):
+            gate_rows = slice(rank * size, (rank + 1) * size)
+            up_rows = slice(inter + rank * size, inter + (rank + 1) * size)
+            partial = torch.zeros_like(hidden_states)
+            for e in top_k_index.unique().tolist():
+                top_k_pos, token_idx = torch.where(top_k_index.t() == e)
+                x = hidden_states[token_idx]
+                gate = product(x, gate_up_fp8[e, gate_rows], gate_up_scale[e, gate_rows])
+                up = product(x, gate_up_fp8[e, up_rows], gate_up_scale[e, up_rows])
+                y = product(experts.act_fn(gate) * up, down_fp8[e][:, gate_rows], down_scale[e])
+                partial.index_add_(0, token_idx, y * top_k_weights[token_idx, top_k_pos, None])
+            final = final + partial
+        return final
+
+    return forward
+
+
+def hf_fp8_moe_model(model_or_dir, tp: int = 1):
+    """:func:`hf_fp8_model` with its experts computing what nanovllm's FP8 experts compute (the
+    router untouched)."""
+    model = hf_fp8_model(model_or_dir, tp)
+    patched = 0
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            experts.forward = fp8_experts_forward(experts, tp)
+            patched += 1
+    assert patched == 2
+    return model
+
+
+def expert_dtypes(model) -> list[tuple[str, torch.dtype]]:
+    """Each MoE layer's expert weights', their scales' and its router's dtypes."""
+    layers = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    names = ("experts.w13", "experts.w2", "experts.w13_scale", "experts.w2_scale", "gate.weight")
+    return [(name, mlp.get_parameter(name).dtype) for mlp in layers for name in names]
+
+
+MOE_DTYPES = [
+    ("experts.w13", torch.float8_e4m3fn),
+    ("experts.w2", torch.float8_e4m3fn),
+    ("experts.w13_scale", torch.float32),
+    ("experts.w2_scale", torch.float32),
+    ("gate.weight", torch.float32),  # the router stays in the model dtype
+] * 2
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_moe_greedy_equals_hf_with_the_same_rounding(moe_dir, prompts, tp):
+    expected = hf_generate(hf_fp8_moe_model(moe_dir, tp), prompts)
+    # the oracle tells quantized experts from unquantized ones on these prompts
+    assert expected != hf_generate(hf_fp8_model(moe_dir, tp), prompts)
+    with LLM(moe_dir, quantization="fp8", tensor_parallel_size=tp, **OPTIONS) as llm:
+        assert llm.apply_model(expert_dtypes) == [MOE_DTYPES] * tp
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        again = llm.generate(prompts, GREEDY, use_tqdm=False)  # prefix-cache hits
+        assert [o.outputs[0].token_ids for o in again] == expected
+
+
+@pytest.mark.parametrize(
+    "form, tp",
+    [("stacked", 1), ("stacked", 2), ("per-expert", 1)],
+    ids=["stacked-tp1", "stacked-tp2", "per-expert-tp1"],
+)
+def test_a_moe_weight_update_is_quantized_again(moe_dir, prompts, tmp_path, form, tp):
+    """``stacked``: a training policy's ``named_parameters()`` (transformers' ``gate_up_proj`` /
+    ``down_proj`` of every expert at once); ``per-expert``: a checkpoint's tensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(3)
+        for param in policy.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    if form == "stacked":
+        weights = list(policy.named_parameters())
+        assert any(name.endswith("experts.gate_up_proj") for name, _ in weights)
+    else:
+        policy.save_pretrained(tmp_path)
+        weights = list(load_file(f"{tmp_path}/model.safetensors").items())
+        assert any(name.endswith("experts.7.down_proj.weight") for name, _ in weights)
+    expected = hf_generate(hf_fp8_moe_model(policy, tp), prompts)
+    with LLM(moe_dir, quantization="fp8", tensor_parallel_size=tp, **OPTIONS) as llm:
+        before = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert before != expected
+        llm.load_weights(weights)
+        bad = torch.zeros(8, 64, 64, dtype=torch.int32)
+        with pytest.raises(ValueError, match="expected a floating-point tensor"):
+            llm.load_weights([("model.layers.0.mlp.experts.gate_up_proj", bad)])
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.apply_model(expert_dtypes) == [MOE_DTYPES] * tp
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_fp8_moe_weights_take_half_the_bytes_of_bf16(moe_dir):
+    """The experts' e4m3 values take half the bytes of bf16 ones, plus a float32 scale per row."""
+
+    def expert_bytes(model) -> int:
+        return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+
+    with LLM(moe_dir, **{**OPTIONS, "dtype": "bfloat16"}) as plain:
+        bf16 = plain.apply_model(expert_bytes)[0]
+    with LLM(moe_dir, quantization="fp8", **{**OPTIONS, "dtype": "bfloat16"}) as llm:
+        fp8 = llm.apply_model(expert_bytes)[0]
+    experts, hidden, inter = MOE["num_experts"], 64, MOE["moe_intermediate_size"]
+    scale_bytes = 2 * 4 * experts * (2 * inter + hidden)  # two MoE layers
+    assert fp8 == bf16 // 2 + scale_bytes
+    assert fp8 < 0.55 * bf16
