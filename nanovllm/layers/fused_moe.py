@@ -99,7 +99,8 @@ class FusedMoE(nn.Module):
             raise ValueError(
                 f"has shape {tuple(loaded.shape)}, expected {3 if expert is None else 2} dimensions"
             )
-        weight, scale = _quantize_rows(loaded)
+        # quantized where the parameter lives (on the GPU, not the host's cores), as linear layers do
+        weight, scale = _quantize_rows(loaded if param.is_meta else loaded.to(param.device))
         scales = self.w2_scale if half is None else self.w13_scale
         if param.is_meta:
             scales = torch.empty_like(scales, device="meta")
