@@ -14,7 +14,6 @@ from torch import nn
 from nanovllm.attention import get_attention_backend
 from nanovllm.config import Config
 from nanovllm.execution.platform import torch_dtype
-from nanovllm.layers.fused_moe import expert_quantization
 from nanovllm.layers.parallel import TPGroup, copy_weight
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -28,9 +27,7 @@ def build_model(config: Config, tp: TPGroup, device: torch.device) -> nn.Module:
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype(config.dtype))
     try:
-        # the experts' weights take the linear layers' format (the model class passes it to its
-        # linear layers only)
-        with torch.device(device), expert_quantization(config.linear_weights):
+        with torch.device(device):
             model = model_cls(config.hf_config, config.architecture, tp, backend, config.linear_weights)
     finally:
         torch.set_default_dtype(default_dtype)

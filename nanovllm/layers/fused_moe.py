@@ -6,10 +6,6 @@ with one float32 scale per expert and output row, each row scaled over its whole
 the tensor-parallel split (every rank agrees on a row's scale; ``down_proj``'s rows are split
 along their length, so a rank keeps its slice of the whole row's e4m3 values and its scale)."""
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
-
 import torch
 from torch import nn
 
@@ -17,20 +13,6 @@ from nanovllm.kernels.fp8 import FP8
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
 from nanovllm.layers.fp8 import quantize_weight
 from nanovllm.layers.parallel import TPGroup, copy_weight, divide, shard_of
-
-_DEFAULT_QUANT: ContextVar[str | None] = ContextVar("moe_quant", default=None)
-
-
-@contextmanager
-def expert_quantization(quant: str | None) -> Iterator[None]:
-    """:class:`FusedMoE` layers built inside hold their weights as ``quant`` says (None: the model
-    dtype; "fp8": e4m3) unless given ``quant`` themselves: the loader builds the model inside,
-    so that the model's own code need not thread the setting down to its experts."""
-    token = _DEFAULT_QUANT.set(quant)
-    try:
-        yield
-    finally:
-        _DEFAULT_QUANT.reset(token)
 
 
 def _quantize_rows(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +28,7 @@ class FusedMoE(nn.Module):
     ``gate_proj`` / ``up_proj`` / ``down_proj`` (or transformers' stacked ``gate_up_proj`` /
     ``down_proj``). ``quant="fp8"``: both in e4m3, with ``w13_scale [experts, 2 * intermediate /
     tp]`` and ``w2_scale [experts, hidden]`` (float32), written by the weights' loader; ``None``:
-    the setting of an enclosing :func:`expert_quantization`, else the model dtype."""
+    the model dtype."""
 
     def __init__(
         self,
@@ -57,7 +39,6 @@ class FusedMoE(nn.Module):
         quant: str | None = None,
     ):
         super().__init__()
-        quant = _DEFAULT_QUANT.get() if quant is None else quant
         if quant not in (None, "fp8"):
             raise ValueError(f"mixture-of-experts weights can be held as None or 'fp8', not {quant!r}")
         self.tp = tp

@@ -78,12 +78,12 @@ class SparseMoeBlock(nn.Module):
     softmax (fp32) picks each token's top-k experts, their weights renormalised when
     ``norm_topk_prob`` (always for Mixtral)."""
 
-    def __init__(self, config: PretrainedConfig, tp: TPGroup):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup, quant: str | None = None):
         super().__init__()
         num_experts, size, self.renormalise = moe_settings(config)
         self.top_k = config.num_experts_per_tok
         self.gate = ReplicatedLinear(config.hidden_size, num_experts, False, tp)
-        self.experts = FusedMoE(num_experts, config.hidden_size, size, tp)
+        self.experts = FusedMoE(num_experts, config.hidden_size, size, tp, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
@@ -116,7 +116,8 @@ class DecoderLayer(nn.Module):
         # Hugging Face's attribute name, so that parameter names are the checkpoint's
         moe = is_moe_layer(config, index)
         self.ffn_name = arch.moe_block if moe else "mlp"
-        setattr(self, self.ffn_name, SparseMoeBlock(config, tp) if moe else DecoderMLP(config, tp, quant))
+        ffn = SparseMoeBlock(config, tp, quant) if moe else DecoderMLP(config, tp, quant)
+        setattr(self, self.ffn_name, ffn)
         # per-channel FP8 projections take their input rounded to FP8 by the norm before them
         fp8_input = quant == "fp8"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp8_input)

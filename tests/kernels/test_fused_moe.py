@@ -346,7 +346,7 @@ def test_fp8_layer_loads_both_forms_alike_on_every_rank():
     """The layer's loader: per-expert tensors and transformers' stacked ones give the same e4m3
     weights and scales; a row's scale is its whole row's (down's rows split across ranks after);
     a dry run (meta parameter) writes nothing."""
-    from nanovllm.layers.fused_moe import FusedMoE, expert_quantization
+    from nanovllm.layers.fused_moe import FusedMoE
     from nanovllm.layers.parallel import TPGroup
 
     experts, hidden, inter = 4, 48, 40
@@ -357,8 +357,7 @@ def test_fp8_layer_loads_both_forms_alike_on_every_rank():
     down_fp8, down_scale = quantize_experts(down)
     for rank in range(2):
         tp, size = TPGroup(rank, 2), inter // 2
-        with expert_quantization("fp8"):
-            stacked, per_expert = FusedMoE(experts, hidden, inter, tp), FusedMoE(experts, hidden, inter, tp)
+        stacked, per_expert = (FusedMoE(experts, hidden, inter, tp, "fp8") for _ in range(2))
         stacked.w13.weight_loader(stacked.w13, gate_up, (None, 0))
         stacked.w2.weight_loader(stacked.w2, down, (None, None))
         for e in range(experts):
