@@ -137,40 +137,39 @@ def test_unsupported_settings_are_refused(tmp_path, options, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
-def test_cuda_greedy_equals_hf_with_the_same_rounding(qwen3_dir, prompts, eager):
-    expected = hf_generate(hf_fp8_model(qwen3_dir), prompts)
-    options = dict(OPTIONS, device="cuda", enforce_eager=eager)
-    with LLM(qwen3_dir, quantization="fp8", **options) as llm:
-        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
-def test_cuda_bf16_greedy_agrees_with_hf_with_the_same_rounding(qwen3_dir, prompts, eager):
-    """In bf16 the prefill's products run on cuBLAS (``torch._scaled_mm``) and the decode steps'
-    on the Triton kernel. The oracle: HF in bf16 on the same device with each FP8 product exact.
-    The rest of the two bf16 models (attention, norms) rounds differently, and a random model's
-    logits are close, so completions part after a token or two (agreement printed); the first
-    token, the prefill's, must agree."""
+def test_cuda_greedy_choices_are_hf_argmax_up_to_near_ties(qwen3_dir, prompts, dtype, eager):
+    """On CUDA the products run on fp8 tensor cores (the Triton GEMM; in bf16 from 33 rows cuBLAS),
+    whose MMA keeps ~14 bits in its sums: not exact as on the CPU, so a random model's near-ties
+    may go either way and greedy runs part. The oracle, HF with the same rounding and each product
+    exact, teacher-forced on our completions: each token we chose is HF's argmax, or within a
+    twentieth (float32) / a quarter (bf16: its own rounding on top) of the FP8 rounding's own
+    effect on the logits (HF's FP8 emulation against the unquantized model) of it."""
     from transformers import AutoModelForCausalLM
 
-    hf = hf_fp8_model(AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.bfloat16).to("cuda"))
-    expected = []
-    with torch.no_grad():
-        for p in prompts:
-            out = hf.generate(
-                torch.tensor([p], device="cuda"), max_new_tokens=12, do_sample=False, pad_token_id=0
-            )
-            expected.append(out[0, len(p) :].tolist())
-    options = dict(OPTIONS, device="cuda", dtype="bfloat16", enforce_eager=eager)
+    hf_fp8 = hf_fp8_model(qwen3_dir)
+    plain = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+    options = dict(OPTIONS, device="cuda", dtype=dtype, enforce_eager=eager)
     with LLM(qwen3_dir, quantization="fp8", **options) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
-    print(f"bf16 FP8 vs HF's bf16 FP8 emulation: {same} of {sum(map(len, expected))} tokens agree")
-    assert [g[:1] for g in got] == [e[:1] for e in expected]
+        completions = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    share = 0.05 if dtype == "float32" else 0.25
+    argmax = unquantized = total = 0
+    with torch.no_grad():
+        for prompt, completion in zip(prompts, completions):
+            ids, tokens = torch.tensor([prompt + completion[:-1]]), torch.tensor(completion)
+            ref = hf_fp8(ids).logits[0, len(prompt) - 1 :]
+            plain_logits = plain(ids).logits[0, len(prompt) - 1 :]
+            effect = (ref - plain_logits).abs().max()
+            gaps = ref.max(dim=1).values - ref.gather(1, tokens[:, None])[:, 0]
+            assert (gaps <= share * effect).all(), (gaps.max().item(), effect.item())
+            argmax += int((gaps == 0).sum())
+            unquantized += int((plain_logits.argmax(dim=1) == tokens).sum())
+            total += len(completion)
+    print(
+        f"{dtype}: of {total} greedy tokens {argmax} are the exact emulation's argmax, {unquantized} "
+        "the unquantized model's (teacher-forced)"
+    )
 
 
 BLOCK_MODEL = dict(
