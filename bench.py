@@ -159,7 +159,8 @@ def make_nanovllm(args, path, dummy, max_model_len: int):
         kv_cache_dtype=args.kv_cache_dtype,
         **given_options(args, "max_num_seqs", "kvcache_block_size", "quantization"),
     )
-    print(f"nanovllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
+    phases = ", ".join(f"{name} {s:.1f}" for name, s in llm.executor.startup_seconds.items())
+    print(f"nanovllm start-up: {time.perf_counter() - start:.1f} s ({phases})", flush=True)
     return llm
 
 

@@ -32,6 +32,8 @@ class Executor(Protocol):
 
     num_kvcache_blocks: int
     """KV blocks the cache holds: the block manager hands out exactly these."""
+    startup_seconds: dict[str, float]
+    """Where the start-up went, phase by phase (rank 0's; see ``ModelRunner.startup_seconds``)."""
     supports_async_scheduling: bool
     """Whether a step may take its input tokens from the previous step's samples
     (``StepBatch.previous_sample_rows``) before they are read back."""

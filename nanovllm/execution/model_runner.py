@@ -1,7 +1,9 @@
 """Runs the model for a :class:`StepBatch` on one tensor-parallel rank."""
 
 import functools
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -110,6 +112,11 @@ class ModelRunner:
     def __init__(self, config: Config, rank: int, store: dist.Store | None = None):
         self.config = config
         self.device = rank_device(config, rank)
+        self.startup_seconds: dict[str, float] = {}
+        """Where this rank's start-up went: "load" (building the model and reading its weights),
+        "profile" (a full-budget prefill sizing the KV cache), "kv_cache" (allocating it),
+        "warm_up" (the eager step shapes, compiling kernels) and "graphs" (capturing decode
+        graphs); phases that do not run (CPU, ``enforce_eager``) are absent."""
         self.tp = TPGroup(rank, config.tensor_parallel_size)
         if self.tp.size > 1:
             # a collective that waits longer than this on a stopped or hung peer fails
@@ -122,9 +129,10 @@ class ModelRunner:
             )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model = build_model(config, self.tp, self.device)
+        with self._phase("load"):
+            self.model = build_model(config, self.tp, self.device)
         if self.device.type == "cuda" and not config.enforce_eager:
-            compile_elementwise_ops(self.model)
+            compile_elementwise_ops(self.model)  # lazily: compiled in the profile and the warm-up
         # the engine's seed makes unseeded sampling repeat, engine after engine (as vLLM's)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.inputs = StepInputBuilder(
@@ -136,8 +144,12 @@ class ModelRunner:
         self.bitmasks = BitmaskUpload(self.device, config.max_num_seqs, config.hf_config.vocab_size)
         self.graphs: DecodeGraphs | None = None
         self.kv_cache: KVCache | None = None
-        num_blocks = KVCache.num_blocks_to_allocate(config, self.device, self.tp, self._profile_peak_bytes)
-        self.kv_cache = KVCache(self.model, num_blocks, config, self.device)
+        with self._phase("profile"):
+            num_blocks = KVCache.num_blocks_to_allocate(
+                config, self.device, self.tp, self._profile_peak_bytes
+            )
+        with self._phase("kv_cache"):
+            self.kv_cache = KVCache(self.model, num_blocks, config, self.device)
         self.uses_graphs = (
             self.device.type == "cuda"
             and not config.enforce_eager
@@ -148,9 +160,19 @@ class ModelRunner:
         """What :meth:`sleep` freed (of :data:`SLEEP_TAGS`) and :meth:`wake_up` has not restored."""
         self.offloaded: OffloadedWeights | None = None
         if self.device.type == "cuda":
-            self._warm_up()
+            with self._phase("warm_up"):
+                self._warm_up()
             if self.uses_graphs:
-                self.graphs = self._capture_decode_graphs()
+                with self._phase("graphs"):
+                    self.graphs = self._capture_decode_graphs()
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.startup_seconds[name] = time.perf_counter() - start
 
     @property
     def num_kvcache_blocks(self) -> int:

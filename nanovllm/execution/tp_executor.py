@@ -79,6 +79,7 @@ class TPExecutor:
         try:
             self._start(config)
             self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+            self.startup_seconds = dict(self.runner.startup_seconds)
             # the engine's configuration: max_model_len as the cache allows (restarts keep it)
             self.config = config.fit_max_model_len(self.num_kvcache_blocks)
         except BaseException:

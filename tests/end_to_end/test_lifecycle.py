@@ -2,9 +2,11 @@
 
 import gc
 import os
+import time
 import weakref
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 
@@ -70,3 +72,25 @@ def test_example_runs_and_leaves_no_temporary_folder(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.count("Completion:") == 2
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "device, phases",
+    [
+        ("cpu", ["load", "profile", "kv_cache"]),
+        pytest.param(
+            "cuda",
+            ["load", "profile", "kv_cache", "warm_up", "graphs"],
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_start_up_is_broken_down_by_phase(qwen3_dir, device, phases):
+    """Each phase of the start-up is timed once, in order, and together they take no longer than
+    the whole ``LLM()`` call."""
+    start = time.perf_counter()
+    with LLM(qwen3_dir, **{**OPTIONS, "device": device}) as llm:
+        wall = time.perf_counter() - start
+        seconds = llm.executor.startup_seconds
+    assert list(seconds) == phases
+    assert all(s >= 0 for s in seconds.values()) and sum(seconds.values()) <= wall
