@@ -15,7 +15,7 @@ from nanovllm.models.registry import (
     Architecture,
     attention_dims,
     context_len,
-    is_fp8_block_checkpoint,
+    fp8_checkpoint_layout,
     max_shared_prompt_len,
     moe_settings,
     resolve_architecture,
@@ -332,8 +332,9 @@ class Config:
     @property
     def linear_weights(self) -> str | None:
         """How the decoder's linear layers hold their weights: None (``dtype``), "fp8" (quantized
-        as they load) or "fp8_block" (an FP8 checkpoint's blocks, as stored)."""
-        return "fp8_block" if is_fp8_block_checkpoint(self.hf_config) else self.quantization
+        as they load), "fp8_block" or "fp8_tensor" (an FP8 checkpoint's, as stored: see
+        :func:`~nanovllm.models.registry.fp8_checkpoint_layout`)."""
+        return fp8_checkpoint_layout(self.hf_config) or self.quantization
 
     def _resolve_structured_outputs_config(self) -> dict:
         given = self.structured_outputs_config
@@ -357,18 +358,18 @@ class Config:
         return settings
 
     def _check_quantization(self) -> None:
-        if self.quantization is None and is_fp8_block_checkpoint(self.hf_config):
+        if self.quantization is None and fp8_checkpoint_layout(self.hf_config):
             object.__setattr__(self, "quantization", "fp8")  # vLLM reads it from the checkpoint too
         if self.quantization not in (None, "fp8"):
             raise ValueError(
                 f"quantization={self.quantization!r} is not supported: None or 'fp8' (weights quantized "
                 "to float8 as they load); for another format, load the bf16/fp16 checkpoint"
             )
-        if self.linear_weights == "fp8_block" and moe_settings(self.hf_config)[0]:
-            # quantization="fp8" quantizes experts as they load; stored block-scaled experts are not read
+        if self.linear_weights in ("fp8_block", "fp8_tensor") and moe_settings(self.hf_config)[0]:
+            # quantization="fp8" quantizes experts as they load; stored FP8 experts are not read
             raise ValueError(
-                "FP8 checkpoints (128 x 128 block scales) are not implemented for mixture-of-experts "
-                "models yet: load the bf16/fp16 checkpoint with quantization='fp8'"
+                "FP8 checkpoints are not implemented for mixture-of-experts models yet: load the "
+                "bf16/fp16 checkpoint with quantization='fp8'"
             )
 
     def _resolve_kv_cache_dtype(self) -> str:

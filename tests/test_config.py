@@ -117,7 +117,12 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path, no_executor, o
         ("Qwen3ForCausalLM", dict(hidden_act="gelu"), "hidden_act='gelu'"),
         ("LlamaForCausalLM", dict(mlp_bias=True), "mlp_bias"),
         ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=64), "sliding-window"),
-        ("Qwen3ForCausalLM", dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+        ("Qwen3ForCausalLM", dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
+        (
+            "Qwen3ForCausalLM",
+            dict(quantization_config={"quant_method": "fp8", "activation_scheme": "static"}),
+            "dynamic activation scales",
+        ),
     ],
 )
 def test_checkpoint_features_we_do_not_implement_are_refused_by_name(

@@ -7,7 +7,7 @@ from torch import nn
 from nanovllm.kernels.fp8 import FP8
 from nanovllm.kernels.gate_up_silu import gate_up_silu, gate_up_silu_fits, gate_up_silu_ref
 from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
-from nanovllm.layers.fp8 import QuantizedActivation, quantize_per_token
+from nanovllm.layers.fp8 import PER_ROW_SCALED, QuantizedActivation, quantize_per_token
 from nanovllm.layers.linear import ColumnParallelLinear
 from nanovllm.layers.parallel import TPGroup, copy_weight, shard_of
 
@@ -34,8 +34,11 @@ class GateUpSwiGLU(ColumnParallelLinear):
     ):
         super().__init__(input_size, 2 * intermediate_size, False, tp, quant)
         # with per-channel FP8 weights the down projection takes its input rounded to FP8 here
-        self.fp8_output = quant == "fp8"
+        self.fp8_output = quant in PER_ROW_SCALED
         self.swiglu_fp8_fn = swiglu_fp8
+
+    def part_rows(self, shard_id: int) -> int:
+        return self.weight.shape[0] // 2 * self.tp.size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         rows = param.data[shard_id::2]

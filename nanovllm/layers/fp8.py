@@ -1,8 +1,11 @@
 """FP8 weights: a linear layer's weight held in float8 e4m3, its input quantized per token on the
-fly, as vLLM's dynamic FP8 does. Two layouts:
+fly, as vLLM's dynamic FP8 does. Three layouts:
 
 - ``"fp8"`` (``quantization="fp8"``): one float32 scale per output channel, the weight quantized
   from the model dtype as it is loaded; the input one scale per token.
+- ``"fp8_tensor"`` (FP8 checkpoints with one ``weight_scale`` per tensor, as AutoFP8 writes them):
+  the e4m3 weight as stored, the tensor's scale given to each of its rows, so the layer is the
+  ``"fp8"`` one (packed q/k/v or gate/up parts keep their own scales).
 - ``"fp8_block"`` (FP8 checkpoints, ``weight_block_size: [128, 128]``, as Qwen3-*-FP8): the
   checkpoint's e4m3 weight as stored, its ``weight_scale_inv`` of each 128 x 128 block kept per
   output row (``[rows, ceil(in / 128)]``, so that rows can be split and interleaved like the
@@ -29,6 +32,10 @@ from nanovllm.kernels.fp8 import (
     quantize_weight_blockwise_ref,
     quantize_weight_per_channel_ref,
 )
+
+PER_ROW_SCALED = ("fp8", "fp8_tensor")
+"""The layouts whose weights carry one scale per output row (quantized at load, or an FP8
+checkpoint's per-tensor scale given to each row): their inputs are rounded per token."""
 
 
 class QuantizedActivation(NamedTuple):

@@ -6,6 +6,7 @@ from torch import nn
 
 from nanovllm.kernels.fp8 import FP8, GROUP
 from nanovllm.layers.fp8 import (
+    PER_ROW_SCALED,
     block_scales_per_row,
     fp8_block_linear,
     fp8_linear,
@@ -35,12 +36,16 @@ class LinearBase(nn.Module):
             self.weight_scale_inv = nn.Parameter(torch.ones(output_size, groups), requires_grad=False)
             self.weight.weight_loader = self.fp8_block_weight_loader
             self.weight_scale_inv.weight_loader = self.fp8_block_scale_loader
-        elif quant == "fp8":
+        elif quant in PER_ROW_SCALED:
             self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8), requires_grad=False)
             scale = torch.ones(output_size, dtype=torch.float32)
             self.weight_scale = nn.Parameter(scale, requires_grad=False)
-            self.weight_scale.derived = True  # written with the weight: no checkpoint tensor of its own
-            self.weight.weight_loader = self.fp8_weight_loader
+            if quant == "fp8":
+                self.weight_scale.derived = True  # written with the weight: no checkpoint tensor of its own
+                self.weight.weight_loader = self.fp8_weight_loader
+            else:  # an FP8 checkpoint's per-tensor scale, kept per output row like quantize-at-load's
+                self.weight.weight_loader = self.fp8_tensor_weight_loader
+                self.weight_scale.weight_loader = self.fp8_tensor_scale_loader
         else:
             self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
             self.weight.weight_loader = self.weight_loader
@@ -65,6 +70,25 @@ class LinearBase(nn.Module):
             self.weight_scale if not param.is_meta else torch.empty_like(self.weight_scale, device="meta")
         )
         type(self).weight_loader(self, target, scale, *shard_id)
+
+    def fp8_tensor_weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
+        """An FP8 checkpoint's e4m3 weight as stored; a model-dtype one (a weight update) quantized
+        per output channel, its scales written with it."""
+        if loaded.dtype != FP8:
+            self.fp8_weight_loader(param, loaded, *shard_id)
+        else:
+            type(self).weight_loader(self, param, loaded, *shard_id)
+
+    def fp8_tensor_scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
+        """A checkpoint's one ``weight_scale`` for a whole tensor, given to each of its rows."""
+        if loaded.numel() != 1:
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected one scale for the whole tensor")
+        rows = loaded.float().reshape(1).expand(self.part_rows(*shard_id))
+        type(self).weight_loader(self, param, rows, *shard_id)
+
+    def part_rows(self, *shard_id) -> int:
+        """Output rows of the checkpoint tensor that ``shard_id`` names (all ranks' together)."""
+        return self.weight.shape[0] * (self.tp.size if self.tp_dim == 0 else 1)
 
     def fp8_block_weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
         """An FP8 checkpoint's weight as stored; a model-dtype one (a weight update) quantized
@@ -128,6 +152,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = divide(num_heads, tp.size)
         self.num_kv_heads = divide(num_kv_heads, tp.size)
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp, quant)
+
+    def part_rows(self, shard_id: str) -> int:
+        heads = self.num_heads if shard_id == "q" else self.num_kv_heads
+        return heads * self.head_dim * self.tp.size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -12,6 +12,7 @@ from nanovllm.attention import AttentionBackend, AttentionMetadata, QKTransform
 from nanovllm.layers.activation import GateUpSwiGLU
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.fp8 import PER_ROW_SCALED
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import (
@@ -119,7 +120,7 @@ class DecoderLayer(nn.Module):
         ffn = SparseMoeBlock(config, tp, quant) if moe else DecoderMLP(config, tp, quant)
         setattr(self, self.ffn_name, ffn)
         # per-channel FP8 projections take their input rounded to FP8 by the norm before them
-        fp8_input = quant == "fp8"
+        fp8_input = quant in PER_ROW_SCALED
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp8_input)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, fp8_input and not moe

@@ -147,23 +147,30 @@ def _refuse_unimplemented(config: PretrainedConfig, arch: Architecture) -> None:
         refuse("use_sliding_window=True (sliding-window attention)")
     if arch.model_type in ("mistral", "mixtral") and getattr(config, "sliding_window", None) is not None:
         refuse(f"sliding_window={config.sliding_window} (sliding-window attention)")
-    if getattr(config, "quantization_config", None) and not is_fp8_block_checkpoint(config):
+    if getattr(config, "quantization_config", None) and fp8_checkpoint_layout(config) is None:
         refuse(
-            f"quantization_config {config.quantization_config!r} (FP8 with weight_block_size [128, 128] "
-            "and dynamic activation scales is implemented)"
+            f"quantization_config {config.quantization_config!r} (FP8 with dynamic activation scales "
+            "is implemented: weight_block_size [128, 128] or one scale per tensor, every decoder "
+            "linear quantized)"
         )
 
 
-def is_fp8_block_checkpoint(config: PretrainedConfig) -> bool:
-    """An FP8 checkpoint as Qwen3-*-FP8 and DeepSeek store them: e4m3 weights with 128 x 128
-    block scales (``weight_scale_inv``), activations scaled on the fly."""
+def fp8_checkpoint_layout(config: PretrainedConfig) -> str | None:
+    """How an FP8 checkpoint (``quant_method: fp8``, activations scaled on the fly) stores its
+    linear weights: "fp8_block", e4m3 with 128 x 128 block scales (``weight_scale_inv``), as
+    Qwen3-*-FP8 and DeepSeek do; "fp8_tensor", e4m3 with one scale per tensor
+    (``weight_scale``), as AutoFP8's dynamic checkpoints do (only the LM head left unquantized);
+    None for anything else."""
     quant = getattr(config, "quantization_config", None)
     if not isinstance(quant, dict):
         quant = getattr(quant, "to_dict", lambda: None)()
     if not isinstance(quant, dict):
-        return False
-    return (
-        quant.get("quant_method") == "fp8"
-        and list(quant.get("weight_block_size") or ()) == [128, 128]
-        and quant.get("activation_scheme", "dynamic") == "dynamic"
-    )
+        return None
+    if quant.get("quant_method") != "fp8" or quant.get("activation_scheme", "dynamic") != "dynamic":
+        return None
+    if any(name != "lm_head" for name in quant.get("ignored_layers") or ()):
+        return None
+    block = quant.get("weight_block_size")
+    if block is None:
+        return "fp8_tensor"
+    return "fp8_block" if list(block) == [128, 128] else None

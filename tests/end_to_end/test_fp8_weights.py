@@ -12,6 +12,7 @@ from nanovllm.kernels.fp8 import (
     quantize_weight_per_channel_ref,
 )
 from tests.checkpoints import make_random_checkpoint
+from tests.conftest import hf_greedy
 
 OPTIONS = dict(device="cpu", dtype="float32", max_model_len=256, kvcache_block_size=16, max_num_seqs=8)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -284,6 +285,108 @@ def test_an_fp8_block_model_takes_model_dtype_updates(tmp_path, prompts):
         )  # bf16/fp32 tensors: quantized here
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def write_fp8_tensor_checkpoint(source: str, path: str, scale_shape: tuple = ()) -> dict:
+    """``source``'s checkpoint as AutoFP8 writes a dynamic one: each decoder linear's weight in
+    e4m3 with one float32 ``weight_scale`` for the whole tensor (shape ``scale_shape``), the LM
+    head left as it is; returns ``(e4m3 weight, scale)`` by weight name."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors, quantized = load_file(os.path.join(source, "model.safetensors")), {}
+    for name in list(tensors):
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
+            weight = tensors[name].float()
+            scale = (weight.abs().max() / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+            tensors[name] = (weight / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            tensors[name + "_scale"] = scale.reshape(scale_shape)
+            quantized[name] = (tensors[name], scale)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["lm_head"]
+    }  # fmt: skip
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    shutil.copy(os.path.join(source, "generation_config.json"), path)
+    return quantized
+
+
+def tensor_scaled_forward(weight_fp8: torch.Tensor, scale: torch.Tensor, bias, parts: int):
+    """What nanovllm's layer computes from a per-tensor FP8 weight on ``parts`` ranks: the input
+    rounded to e4m3 per token (per rank's slice), each rank's product exact."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows, y = x.reshape(-1, x.shape[-1]), 0
+        for x_part, w_part in zip(rows.chunk(parts, dim=-1), weight_fp8.chunk(parts, dim=-1)):
+            x_fp8, x_scale = quantize_per_token_group_ref(x_part, group=x_part.shape[-1])
+            exact = (x_fp8.double() @ w_part.double().T) * x_scale.double() * scale.double()
+            y = y + exact.to(x.dtype)
+        return (y + (bias if bias is not None else 0)).view(*x.shape[:-1], -1)
+
+    return forward
+
+
+@pytest.mark.parametrize("tp, scale_shape", [(1, ()), (2, ()), (1, (1,))], ids=["tp1", "tp2", "tp1-shape1"])
+def test_a_per_tensor_fp8_checkpoint_loads_as_stored_and_equals_hf_rounding_the_same(
+    tmp_path, prompts, tp, scale_shape
+):
+    """q, k and v (and gate and up) keep their own tensors' scales inside the packed layers."""
+    from transformers import AutoModelForCausalLM
+
+    source = make_random_checkpoint(str(tmp_path / "source"), "Qwen3ForCausalLM", seed=0)
+    quantized = write_fp8_tensor_checkpoint(source, str(tmp_path / "fp8"), scale_shape)
+    scales = {name.rsplit(".", 2)[-2]: s.item() for name, (_, s) in quantized.items() if ".layers.0." in name}
+    assert len(set(scales.values())) == len(LINEARS)  # every part its own scale
+    twin = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    twin.generation_config.eos_token_id = None
+    for name, module in twin.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in LINEARS:
+            parts = tp if name.endswith(ROW_PARALLEL) else 1
+            module.forward = tensor_scaled_forward(*quantized[name + ".weight"], module.bias, parts)
+    expected = hf_generate(twin, prompts)
+    assert expected != hf_greedy(source, prompts, 12)  # the rounding changes the model's tokens
+    with LLM(str(tmp_path / "fp8"), tensor_parallel_size=tp, **OPTIONS) as llm:
+        assert llm.config.quantization == "fp8"
+        stored = llm.apply_model(lambda model: model.model.layers[0].self_attn.qkv_proj.weight.dtype)
+        assert stored == [torch.float8_e4m3fn] * tp
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_a_per_tensor_fp8_model_takes_model_dtype_updates(tmp_path, prompts):
+    """An update in the model dtype is quantized per output channel, as ``quantization="fp8"``
+    quantizes at load."""
+    from safetensors.torch import load_file
+
+    source = make_random_checkpoint(str(tmp_path / "source"), "Qwen3ForCausalLM", seed=0)
+    write_fp8_tensor_checkpoint(source, str(tmp_path / "fp8"))
+    updated = make_random_checkpoint(str(tmp_path / "new"), "Qwen3ForCausalLM", seed=5)
+    expected = hf_generate(hf_fp8_model(updated), prompts)
+    with LLM(str(tmp_path / "fp8"), **OPTIONS) as llm:
+        llm.load_weights(load_file(f"{updated}/model.safetensors").items())
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_a_per_tensor_scale_of_several_values_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = make_random_checkpoint(str(tmp_path / "source"), "Qwen3ForCausalLM", seed=0)
+    path = str(tmp_path / "fp8")
+    write_fp8_tensor_checkpoint(source, path)
+    tensors = load_file(f"{path}/model.safetensors")
+    name = "model.layers.0.self_attn.o_proj.weight_scale"
+    tensors[name] = tensors[name].reshape(1).repeat(3)
+    save_file(tensors, f"{path}/model.safetensors")
+    with pytest.raises(ValueError, match="o_proj.weight_scale.*one scale for the whole tensor"):
+        LLM(path, **OPTIONS)
 
 
 # --- mixture-of-experts models: the experts' weights in e4m3 too -------------------------------
