@@ -82,6 +82,24 @@ def test_greedy_equals_hf_with_the_same_rounding(tmp_path, prompts, arch, tp):
         assert [o.outputs[0].token_ids for o in again] == expected
 
 
+def test_fp8_weights_with_an_fp8_kv_cache_equal_hf_rounding_both(qwen3_dir, prompts):
+    """Both roundings at once: HF's linears as above, its attention reading K and V rounded to
+    e4m3 as the FP8 cache stores them."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from tests.end_to_end.hf_oracle import float8_kv_attention
+
+    AttentionInterface.register("sdpa_float8_kv", float8_kv_attention)
+    hf = AutoModelForCausalLM.from_pretrained(
+        qwen3_dir, dtype=torch.float32, attn_implementation="sdpa_float8_kv"
+    )
+    expected = hf_generate(hf_fp8_model(hf), prompts)
+    assert expected != hf_generate(hf_fp8_model(qwen3_dir), prompts)  # the cache's rounding shows
+    with LLM(qwen3_dir, quantization="fp8", kv_cache_dtype="fp8", **OPTIONS) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
 def test_a_weight_update_is_quantized_again(qwen3_dir, prompts):
     from transformers import AutoModelForCausalLM
 
