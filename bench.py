@@ -65,8 +65,9 @@ import tempfile
 import time
 from random import randint, seed
 
-from benchmarks.latency import latency_batches, measure_latency, print_latency_table
-from benchmarks.structured_workload import JSON_SCHEMA, check_json_outputs
+from benchmarks.engines import ENGINES, LATENCY_ENGINES
+from benchmarks.latency import latency_batches, print_latency_table
+from benchmarks.structured_workload import check_json_outputs
 from nanovllm.demo_models import SHAPES
 
 
@@ -116,206 +117,6 @@ def model_dir(args) -> tuple[str, bool]:
     return path, True
 
 
-def given_options(args, *names: str) -> dict:
-    """The named engine options the command line sets (the rest keep each engine's default)."""
-    return {name: getattr(args, name) for name in names if getattr(args, name)}
-
-
-def workload_params(args, params_cls, constraint_cls, max_tokens: list[int]) -> list:
-    """Each request's sampling parameters (``params_cls``: the engine's ``SamplingParams``,
-    ``constraint_cls``: its ``StructuredOutputsParams``)."""
-    if args.structured == "json":
-        return [
-            params_cls(
-                temperature=0.6,
-                max_tokens=n,
-                detokenize=False,
-                structured_outputs=constraint_cls(json=JSON_SCHEMA),
-            )
-            for n in max_tokens
-        ]
-    plain = {"detokenize": False} if args.tokenizer else {}
-    return [params_cls(temperature=0.6, ignore_eos=True, max_tokens=n, **plain) for n in max_tokens]
-
-
-def completions(outputs) -> list[tuple[str | None, list[int]]]:
-    """(finish reason, token ids) of each request's completion (nanovllm's and vLLM's outputs)."""
-    return [(o.outputs[0].finish_reason, list(o.outputs[0].token_ids)) for o in outputs]
-
-
-def make_nanovllm(args, path, dummy, max_model_len: int):
-    from nanovllm import LLM
-
-    start = time.perf_counter()
-    llm = LLM(
-        path,
-        load_format="dummy" if dummy else "auto",
-        enforce_eager=args.enforce_eager,
-        max_model_len=max_model_len,
-        tensor_parallel_size=args.tp,
-        attention_backend=args.attention_backend,
-        async_scheduling=args.async_scheduling,
-        mixed_steps=args.mixed_steps,
-        kv_cache_dtype=args.kv_cache_dtype,
-        **given_options(args, "max_num_seqs", "kvcache_block_size", "quantization"),
-    )
-    phases = ", ".join(f"{name} {s:.1f}" for name, s in llm.executor.startup_seconds.items())
-    print(f"nanovllm start-up: {time.perf_counter() - start:.1f} s ({phases})", flush=True)
-    return llm
-
-
-def run_nanovllm(args, path, dummy, runs_prompts, max_tokens) -> dict:
-    from nanovllm import SamplingParams
-    from nanovllm.sampling_params import StructuredOutputsParams
-
-    llm = make_nanovllm(args, path, dummy, 4096)
-    params = workload_params(args, SamplingParams, StructuredOutputsParams, max_tokens)
-    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
-    if args.structured == "json":
-        warm_up = workload_params(args, SamplingParams, StructuredOutputsParams, [16])
-        llm.generate([[1, 2, 3, 4]], warm_up, use_tqdm=False)
-    times, tokens, outputs = [], [], []
-    for prompts in runs_prompts:
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-        tokens.append(sum(len(o.outputs[0].token_ids) for o in outputs))
-    llm.exit()
-    return {"times": times, "tokens": tokens, "completions": completions(outputs)}
-
-
-def make_vllm(args, path, dummy, max_model_len: int):
-    from vllm import LLM
-
-    start = time.perf_counter()
-    llm = LLM(
-        path,
-        load_format="dummy" if dummy else "auto",
-        skip_tokenizer_init=dummy and not args.tokenizer,  # structured outputs need the tokenizer
-        max_model_len=max_model_len,
-        enforce_eager=args.enforce_eager,
-        tensor_parallel_size=args.tp,
-        kv_cache_dtype=args.kv_cache_dtype,
-        **given_options(args, "max_num_seqs", "quantization"),
-    )
-    print(f"vllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
-    return llm
-
-
-def run_vllm(args, path, dummy, runs_prompts, max_tokens) -> dict:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import StructuredOutputsParams
-
-    llm = make_vllm(args, path, dummy, 4096)
-    if args.structured == "none":
-        params = [
-            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, detokenize=False)
-            for n in max_tokens
-        ]
-    else:
-        params = workload_params(args, SamplingParams, StructuredOutputsParams, max_tokens)
-    warm_up = [TokensPrompt(prompt_token_ids=[1, 2, 3, 4])]
-    llm.generate(warm_up, SamplingParams(max_tokens=16, detokenize=False), use_tqdm=False)
-    if args.structured == "json":
-        llm.generate(
-            warm_up, workload_params(args, SamplingParams, StructuredOutputsParams, [16]), use_tqdm=False
-        )
-    times, tokens, outputs = [], [], []
-    for prompts in runs_prompts:
-        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        start = time.perf_counter()
-        outputs = llm.generate(inputs, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-        tokens.append(sum(len(o.outputs[0].token_ids) for o in outputs))
-    return {"times": times, "tokens": tokens, "completions": completions(outputs)}
-
-
-def run_hf(args, path, dummy, runs_prompts, max_tokens) -> dict:
-    """Static batching with ``generate`` (left padding, sdpa): the baseline without paging (no
-    prefix cache: every run has run 1's prompts)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if dummy:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model = model.to(device).eval()
-    config = GenerationConfig(
-        do_sample=True,
-        temperature=0.6,
-        top_k=0,
-        top_p=1.0,
-        eos_token_id=None,
-        pad_token_id=0,
-        max_new_tokens=max(max_tokens),
-    )
-    model.generation_config.eos_token_id = None
-    prompts = runs_prompts[0]
-    longest = max(map(len, prompts))
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
-    with torch.inference_mode():
-        model.generate(
-            ids[:1, -4:],
-            attention_mask=mask[:1, -4:],
-            generation_config=GenerationConfig(
-                do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0
-            ),
-        )
-        times = []
-        for _ in range(args.hf_runs):
-            start = time.perf_counter()
-            model.generate(ids, attention_mask=mask, generation_config=config)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-    return {"times": times, "tokens": [sum(max_tokens)] * len(times), "completions": None}
-
-
-ENGINES = {"nanovllm": run_nanovllm, "vllm": run_vllm, "hf": run_hf}
-
-
-def latency_max_model_len(args) -> int:
-    return max(args.latency_prompt_len, args.latency_ttft_len) + args.latency_decode_tokens
-
-
-def latency_nanovllm(args, path, dummy) -> dict:
-    from nanovllm import SamplingParams
-
-    llm = make_nanovllm(args, path, dummy, latency_max_model_len(args))
-
-    def generate(prompts, max_tokens):
-        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outputs)
-
-    result = measure_latency(args, "nanovllm", generate)
-    llm.exit()
-    return result
-
-
-def latency_vllm(args, path, dummy) -> dict:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = make_vllm(args, path, dummy, latency_max_model_len(args))
-
-    def generate(prompts, max_tokens):
-        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
-        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        outputs = llm.generate(inputs, params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outputs)
-
-    return measure_latency(args, "vllm", generate)
-
-
-LATENCY_ENGINES = {"nanovllm": latency_nanovllm, "vllm": latency_vllm}
-
-
 def child_argv(argv: list[str], per_child: tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
     """The command line without the options (with a value) and flags set per child."""
     out, skip = [], False
@@ -329,7 +130,8 @@ def child_argv(argv: list[str], per_child: tuple[str, ...], flags: tuple[str, ..
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line, checked: an option no chosen engine supports is an error."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -443,6 +245,12 @@ def main() -> None:
             parser.error("--latency: at least 2 decode tokens and 1 prompt token")
         if args.latency_repeats < 1:
             parser.error("--latency-repeats: at least 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    engines = args.engine.split(",")
     # (engine, extra options) per process: a constrained run also gets its unconstrained baseline
     jobs = [(e, []) for e in engines]
     if args.structured != "none" and not args.only_constrained:

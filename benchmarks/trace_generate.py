@@ -19,7 +19,8 @@ from collections import defaultdict, deque
 
 import torch
 
-from bench import given_options, workload
+from bench import workload
+from benchmarks.engines import given_options
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo_models import SHAPES, write_config
 from nanovllm.engine.executor import Executor, PendingOutput
