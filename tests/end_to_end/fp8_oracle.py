@@ -1,0 +1,201 @@
+"""The oracle of FP8 weights: Hugging Face models whose decoder linears (and experts) compute what
+nanovllm's FP8 layers compute, each e4m3 product exact, and the FP8 checkpoint formats (128 x 128
+blocks as Qwen3-*-FP8, one scale per tensor as AutoFP8) written from a random checkpoint."""
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from nanovllm import SamplingParams
+from nanovllm.kernels.fp8 import (
+    quantize_per_token_group_ref,
+    quantize_weight_blockwise_ref,
+    quantize_weight_per_channel_ref,
+)
+
+OPTIONS = dict(device="cpu", dtype="float32", max_model_len=256, kvcache_block_size=16, max_num_seqs=8)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+ROW_PARALLEL = ("o_proj", "down_proj")  # their input is split across ranks
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def exact_fp8_product(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``x [rows, in]`` rounded to e4m3 per row, times the e4m3 ``w_fp8 [out, in]`` scaled per
+    output row (``w_scale [out]``) or as a whole (one scale): exact in float64, rounded once to
+    ``x``'s dtype."""
+    x_fp8, x_scale = quantize_per_token_group_ref(x, group=x.shape[-1])
+    exact = (x_fp8.double() @ w_fp8.double().T) * x_scale.double() * w_scale.double()
+    return exact.to(x.dtype)
+
+
+def scaled_fp8_forward(w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, parts: int):
+    """A linear layer's forward as nanovllm's FP8 layer computes it from an e4m3 weight with a
+    scale per output row or per tensor, on ``parts`` ranks: each rank's slice of the input rounded
+    per token, its product exact, rounded; the partial products summed in rank order."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows, y = x.reshape(-1, x.shape[-1]), 0
+        for x_part, w_part in zip(rows.chunk(parts, dim=-1), w_fp8.chunk(parts, dim=-1)):
+            y = y + exact_fp8_product(x_part, w_part, w_scale)
+        return (y + (bias if bias is not None else 0)).view(*x.shape[:-1], -1)
+
+    return forward
+
+
+def fp8_forward(weight: torch.Tensor, bias: torch.Tensor | None, parts: int):
+    """:func:`scaled_fp8_forward` of ``weight`` quantized per output channel
+    (``quantization="fp8"``)."""
+    return scaled_fp8_forward(*quantize_weight_per_channel_ref(weight), bias, parts)
+
+
+def hf_fp8_model(model_or_dir, tp: int = 1):
+    """A Hugging Face model whose decoder linears compute what nanovllm's FP8 layers compute."""
+    from transformers import AutoModelForCausalLM
+
+    model = model_or_dir
+    if isinstance(model_or_dir, str):
+        model = AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    for name, module in model.model.layers.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] != "gate":
+            parts = tp if name.endswith(ROW_PARALLEL) else 1
+            module.forward = fp8_forward(module.weight.data, module.bias, parts)
+    return model
+
+
+def hf_generate(model, prompts: list[list[int]], max_new_tokens: int = 12) -> list[list[int]]:
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(
+                torch.tensor([p]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outs.append(out[0, len(p) :].tolist())
+    return outs
+
+
+def fp8_experts_forward(experts: nn.Module, parts: int):
+    """Hugging Face's ``Qwen3MoeExperts.forward`` as nanovllm's FP8 experts compute it on ``parts``
+    ranks: each expert's gate / up / down rows in e4m3 with a scale per whole row (down's rows then
+    split across ranks), each projection's input rounded to e4m3 per row (down's: each rank's
+    slice of ``silu(gate) * up``), each product exact (float64), rounded to the dtype. Per rank,
+    HF's loop weights and sums a token's expert outputs (fp32 here: with two experts, the single
+    rounding of nanovllm's fp32 sum); the ranks' sums are then added in rank order."""
+    gate_up, down = experts.gate_up_proj.data, experts.down_proj.data
+    num_experts, two_inter, hidden = gate_up.shape
+    inter = two_inter // 2
+    gate_up_fp8, gate_up_scale = quantize_weight_per_channel_ref(gate_up.reshape(-1, hidden))
+    gate_up_fp8, gate_up_scale = gate_up_fp8.view(gate_up.shape), gate_up_scale.view(num_experts, two_inter)
+    down_fp8, down_scale = quantize_weight_per_channel_ref(down.reshape(-1, inter))
+    down_fp8, down_scale = down_fp8.view(down.shape), down_scale.view(num_experts, hidden)
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        assert top_k_index.shape[1] <= 2  # beyond two experts HF's sum rounds more often
+        final = torch.zeros_like(hidden_states)
+        size = inter // parts
+        for rank in range(parts):
+            gate_rows = slice(rank * size, (rank + 1) * size)
+            up_rows = slice(inter + rank * size, inter + (rank + 1) * size)
+            partial = torch.zeros_like(hidden_states)
+            for e in top_k_index.unique().tolist():
+                top_k_pos, token_idx = torch.where(top_k_index.t() == e)
+                x = hidden_states[token_idx]
+                gate = exact_fp8_product(x, gate_up_fp8[e, gate_rows], gate_up_scale[e, gate_rows])
+                up = exact_fp8_product(x, gate_up_fp8[e, up_rows], gate_up_scale[e, up_rows])
+                y = exact_fp8_product(experts.act_fn(gate) * up, down_fp8[e][:, gate_rows], down_scale[e])
+                partial.index_add_(0, token_idx, y * top_k_weights[token_idx, top_k_pos, None])
+            final = final + partial
+        return final
+
+    return forward
+
+
+def hf_fp8_moe_model(model_or_dir, tp: int = 1):
+    """:func:`hf_fp8_model` with its experts computing what nanovllm's FP8 experts compute (the
+    router untouched)."""
+    model = hf_fp8_model(model_or_dir, tp)
+    patched = 0
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            experts.forward = fp8_experts_forward(experts, tp)
+            patched += 1
+    assert patched == 2
+    return model
+
+
+def write_fp8_block_checkpoint(source: str, path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``source``'s checkpoint as Qwen3-*-FP8 ships: each decoder linear's weight in e4m3 with
+    its 128 x 128 blocks' ``weight_scale_inv``; returns those, by weight name."""
+
+    tensors, quantized = load_file(os.path.join(source, "model.safetensors")), {}
+    for name in list(tensors):
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
+            weight, scale_inv = quantize_weight_blockwise_ref(tensors[name])
+            tensors[name], tensors[name + "_scale_inv"] = weight, scale_inv
+            quantized[name] = (weight, scale_inv)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]
+    }  # fmt: skip
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    shutil.copy(os.path.join(source, "generation_config.json"), path)
+    return quantized
+
+
+def block_forward(weight_fp8: torch.Tensor, scale_inv: torch.Tensor, bias, parts: int):
+    """What nanovllm's FP8 block layer computes on ``parts`` ranks (float64 inside)."""
+    weight = (
+        weight_fp8.double()
+        * scale_inv.double()
+        .repeat_interleave(128, 0)
+        .repeat_interleave(128, 1)[: weight_fp8.shape[0], : weight_fp8.shape[1]]
+    )
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows, y = x.reshape(-1, x.shape[-1]), 0
+        for x_part, w_part in zip(rows.chunk(parts, dim=-1), weight.chunk(parts, dim=-1)):
+            x_fp8, x_scales = quantize_per_token_group_ref(x_part, group=128)
+            x_deq = x_fp8.double() * x_scales.double().repeat_interleave(128, 1)[:, : x_part.shape[-1]]
+            y = y + (x_deq @ w_part.T).to(x.dtype)
+        return (y + (bias if bias is not None else 0)).view(*x.shape[:-1], -1)
+
+    return forward
+
+
+def write_fp8_tensor_checkpoint(source: str, path: str, scale_shape: tuple = ()) -> dict:
+    """``source``'s checkpoint as AutoFP8 writes a dynamic one: each decoder linear's weight in
+    e4m3 with one float32 ``weight_scale`` for the whole tensor (shape ``scale_shape``), the LM
+    head left as it is; returns ``(e4m3 weight, scale)`` by weight name."""
+
+    tensors, quantized = load_file(os.path.join(source, "model.safetensors")), {}
+    for name in list(tensors):
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
+            weight = tensors[name].float()
+            scale = (weight.abs().max() / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+            tensors[name] = (weight / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            tensors[name + "_scale"] = scale.reshape(scale_shape)
+            quantized[name] = (tensors[name], scale)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["lm_head"]
+    }  # fmt: skip
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    shutil.copy(os.path.join(source, "generation_config.json"), path)
+    return quantized
