@@ -161,10 +161,12 @@ def fp8_channel_gemm_ref(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Reference of the per-token x per-channel product (``torch._scaled_mm`` with row-wise
-    scales): ``(a_fp8 @ w_fp8.T)`` in fp32, times ``a_scale [M]`` (or ``[M, 1]``) down the rows and
-    ``w_scale [N]`` along the columns, rounded once to ``out_dtype``."""
-    acc = a_fp8.float() @ w_fp8.float().T
-    return (acc * a_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)).to(out_dtype)
+    scales): ``(a_fp8 @ w_fp8.T)`` times ``a_scale [M]`` (or ``[M, 1]``) down the rows and
+    ``w_scale [N]`` along the columns (or one scale), in float64, rounded once to ``out_dtype``.
+    Products of e4m3 values and their sums over up to 2^17 features are exact in float64, so the
+    result does not depend on how a matrix library orders the sums (the CPU layers' product)."""
+    acc = a_fp8.double() @ w_fp8.double().T
+    return (acc * a_scale.double().reshape(-1, 1) * w_scale.double().reshape(1, -1)).to(out_dtype)
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -26,7 +26,12 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.device import capability
-from nanovllm.kernels.fp8 import FP8, quantize_per_token_group, quantize_per_token_group_ref
+from nanovllm.kernels.fp8 import (
+    FP8,
+    fp8_channel_gemm_ref,
+    quantize_per_token_group,
+    quantize_per_token_group_ref,
+)
 from nanovllm.kernels.moe_align import moe_align
 
 ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -81,12 +86,11 @@ def _check(
 
 def _expert_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, w)``; for an e4m3 ``w`` (``w_scale`` per row), ``x`` rounded to e4m3 per row
-    and the e4m3 product computed in float64, scaled, then rounded once to ``x``'s dtype."""
+    and the exact product (:func:`~nanovllm.kernels.fp8.fp8_channel_gemm_ref`) rounded to ``x``'s
+    dtype."""
     if w_scale is None:
         return F.linear(x, w)
-    x_fp8, x_scale = quantize_per_token_group_ref(x, group=x.shape[1])
-    exact = x_fp8.double() @ w.double().T  # exact: 8-bit significands, rows up to 2^17 long
-    return (exact * x_scale.double() * w_scale.double()).to(x.dtype)
+    return fp8_channel_gemm_ref(*quantize_per_token_group_ref(x, group=x.shape[1]), w, w_scale, x.dtype)
 
 
 def fused_moe_ref(

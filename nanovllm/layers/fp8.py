@@ -26,6 +26,7 @@ import torch
 from nanovllm.kernels.fp8 import (
     FP8,
     GROUP,
+    fp8_channel_gemm_ref,
     fp8_gemm,
     quantize_per_token_group,
     quantize_per_token_group_ref,
@@ -93,7 +94,7 @@ def fp8_linear(
     x_fp8, x_scale, dtype, lead = _rows(x, 0)
     (m, k), n = x_fp8.shape, weight.shape[0]
     if not x_fp8.is_cuda:
-        y = fp8_product(x_fp8, x_scale, weight, scale).to(dtype)
+        y = fp8_channel_gemm_ref(x_fp8, x_scale, weight, scale, dtype)
     else:
         aligned = not (k % CUBLAS_ALIGN or n % CUBLAS_ALIGN)
         if m >= CUBLAS_MIN_ROWS and dtype == torch.bfloat16 and aligned:
@@ -103,14 +104,6 @@ def fp8_linear(
     if bias is not None:
         y = y + bias
     return y.view(*lead, n)
-
-
-def fp8_product(
-    x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
-) -> torch.Tensor:
-    """``(x_fp8 @ weight.T) * x_scale * scale`` in float64 (``x_scale`` ``[rows, 1]``, ``scale``
-    ``[out]``)."""
-    return (x_fp8.double() @ weight.double().T) * x_scale.double() * scale.double()
 
 
 def quantize_weight_blocks(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
