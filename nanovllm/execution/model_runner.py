@@ -156,9 +156,8 @@ class ModelRunner:
             and self.kv_cache.layers[0].backend.supports_cuda_graphs
         )
         """Whether decode steps replay CUDA graphs (captured again after sleep mode)."""
-        self.asleep: set[str] = set()
-        """What :meth:`sleep` freed (of :data:`SLEEP_TAGS`) and :meth:`wake_up` has not restored."""
         self.offloaded: OffloadedWeights | None = None
+        """The weights while :meth:`sleep` has them out of device memory."""
         if self.device.type == "cuda":
             with self._phase("warm_up"):
                 self._warm_up()
@@ -173,6 +172,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.startup_seconds[name] = time.perf_counter() - start
+
+    @property
+    def asleep(self) -> set[str]:
+        """What :meth:`sleep` freed (of :data:`SLEEP_TAGS`) and :meth:`wake_up` has not restored."""
+        freed = {"weights"} if self.offloaded is not None else set()
+        cache_freed = self.kv_cache is not None and self.kv_cache.tensor is None  # (None: closed)
+        return freed | ({"kv_cache"} if cache_freed else set())
 
     @property
     def num_kvcache_blocks(self) -> int:
@@ -308,10 +314,8 @@ class ModelRunner:
             self.graphs = None
         if "kv_cache" not in self.asleep:
             self.kv_cache.release()
-            self.asleep.add("kv_cache")
         if "weights" not in self.asleep:
             self.offloaded = OffloadedWeights(self.model, self.device, keep_parameters=level == 1)
-            self.asleep.add("weights")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -326,10 +330,8 @@ class ModelRunner:
         if "weights" in tags and "weights" in self.asleep:
             self.offloaded.restore()
             self.offloaded = None
-            self.asleep.remove("weights")
         if "kv_cache" in tags and "kv_cache" in self.asleep:
             self.kv_cache = KVCache(self.model, self.kv_cache.num_blocks, self.config, self.device)
-            self.asleep.remove("kv_cache")
         if not self.asleep and self.uses_graphs and self.graphs is None:
             self.graphs = self._capture_decode_graphs()
 
