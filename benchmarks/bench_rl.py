@@ -37,32 +37,22 @@ def timed(function) -> float:
     return time.perf_counter() - start
 
 
-def hf_named_weights(llm: LLM, device: str) -> list[tuple[str, torch.Tensor]]:
-    """Every weight of the engine's model under its Hugging Face name, as a trainer would hold
-    them (q/k/v and gate/up unpacked), on ``device``; pinned when on the CPU of a GPU machine."""
-    model = llm.llm_engine.executor.runner.model
+def hf_named_weights(path: str, dtype: torch.dtype, device: str) -> list[tuple[str, torch.Tensor]]:
+    """Random weights under the Hugging Face names and shapes of the model at ``path``, as a
+    trainer holds them (q/k/v and gate/up apart, a tied head once), on ``device``; pinned when on
+    the CPU of a GPU machine."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    drawn_on = "cuda" if torch.cuda.is_available() else "cpu"
     pin = device == "cpu" and torch.cuda.is_available()
     weights = []
-    for name, param in model.named_parameters():
-        parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-        for packed, names in parts.items():
-            if packed in name:
-                if packed == "qkv_proj":
-                    attn = model.model.layers[0].self_attn.qkv_proj
-                    q = attn.num_heads * attn.head_dim
-                    kv = attn.num_kv_heads * attn.head_dim
-                    pieces = param.data.split([q, kv, kv])
-                else:
-                    pieces = param.data.chunk(2)
-                for part, piece in zip(names, pieces):
-                    weights.append((name.replace(packed, part), piece))
-                break
-        else:
-            weights.append((name, param.data))
-    copies = [(n, torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)) for n, t in weights]
-    for (_, copy), (_, t) in zip(copies, weights):
-        copy.copy_(t)  # the trainer's own tensors, not views of the engine's
-    return copies
+    for name, param in hf.named_parameters():
+        values = torch.empty(param.shape, dtype=dtype, device=drawn_on).normal_(0, 0.02)
+        held = torch.empty(param.shape, dtype=dtype, device=device, pin_memory=pin)
+        weights.append((name, held.copy_(values)))
+    return weights
 
 
 def copy_rate(weights: list[tuple[str, torch.Tensor]], device: torch.device) -> float:
@@ -94,6 +84,7 @@ def main() -> None:
     )
     if not cuda:
         options.update(device="cpu", dtype="float32")
+    dtype = torch.bfloat16 if cuda else torch.float32  # the engine's (the shapes' bf16, or the CPU's)
 
     path = tempfile.mkdtemp(prefix="nanovllm-rl-")
     write_config(path, args.shape, **overrides)
@@ -101,7 +92,7 @@ def main() -> None:
     llm = LLM(path, **options)
     device = torch.device("cuda" if cuda else "cpu")
     for where in ("cuda", "cpu") if cuda else ("cpu",):
-        weights = hf_named_weights(llm, where)
+        weights = hf_named_weights(path, dtype, where)
         gigabytes = sum(t.numel() * t.element_size() for _, t in weights) / 1e9
         seconds = timed(lambda weights=weights: llm.load_weights(weights))
         floor = copy_rate(weights, device)
@@ -127,7 +118,7 @@ def main() -> None:
     path = tempfile.mkdtemp(prefix="nanovllm-rl-")
     write_config(path, args.rollout_shape, **overrides)
     llm = LLM(path, **{**options, "enable_sleep_mode": False})
-    weights = hf_named_weights(llm, "cuda" if cuda else "cpu")
+    weights = hf_named_weights(path, dtype, "cuda" if cuda else "cpu")
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 1 for j in range(64)]} for i in range(args.batch)]
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
