@@ -7,27 +7,14 @@ import torch
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
 from nanovllm.kernels.moe_align import moe_align, moe_align_ref
 from tests.interpreter import DEVICE
+from tests.kernels.moe_cases import DTYPES, make_moe
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 # the reference and the kernels round the same ops; only GEMM summation order differs, which may
 # flip one rounding of an intermediate
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 SMALL = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)  # several N tiles and K steps on small shapes
-
-
-def make_moe(tokens, experts, top_k, hidden, inter, dtype, seed=0, used=None):
-    """Random inputs with O(1) outputs; ``used`` restricts the routing to those experts."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
-    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
-    pool = torch.tensor(used if used is not None else range(experts))
-    ids = [pool[torch.randperm(len(pool), generator=gen)[:top_k]].tolist() for _ in range(tokens)]
-    weights = torch.rand(tokens, top_k, generator=gen)
-    ids = torch.tensor(ids, dtype=torch.long).reshape(tokens, top_k)
-    return [t.to(dtype).to(DEVICE) for t in (x, w13, w2)] + [weights.to(DEVICE), ids]
 
 
 def check(x, w13, w2, weights, ids, config=None):

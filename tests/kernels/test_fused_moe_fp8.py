@@ -10,7 +10,7 @@ from nanovllm.kernels import fused_moe as fused_moe_module
 from nanovllm.kernels.fp8 import quantize_per_token_group_ref, quantize_weight_per_channel_ref
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
 from tests.interpreter import DEVICE
-from tests.kernels.test_fused_moe import DTYPES, make_moe
+from tests.kernels.moe_cases import DTYPES, make_moe
 
 pytestmark = pytest.mark.gpu
 
