@@ -126,6 +126,8 @@ def main() -> None:
     parser.add_argument("--kvcache-block-size", type=int, default=None, help="tokens per KV block")
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--quantization", default=None, help='as LLM(quantization=...): "fp8"')
+    parser.add_argument("--kv-cache-dtype", default=None, help='as LLM(kv_cache_dtype=...): "fp8"')
     args = parser.parse_args()
     prompts, max_tokens = workload(args)
     path = tempfile.mkdtemp()
@@ -137,7 +139,7 @@ def main() -> None:
         async_scheduling=args.async_scheduling,
         mixed_steps=args.mixed_steps,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        **given_options(args, "max_num_seqs", "kvcache_block_size"),
+        **given_options(args, "max_num_seqs", "kvcache_block_size", "quantization", "kv_cache_dtype"),
     )
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)

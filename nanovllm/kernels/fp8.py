@@ -81,7 +81,7 @@ def dequantize_blockwise_ref(
 
 
 @triton.jit
-def _round_to_e4m3(v):
+def round_to_e4m3(v):
     """fp32 ``v`` (|v| <= 448) rounded to e4m3's grid, ties to even, still fp32: the cast that
     follows is then exact on every backend (Triton's interpreter rounds ties away from zero and
     can lose the carry into the exponent: 127.9 to 64)."""
@@ -108,7 +108,7 @@ def _quantize_group_kernel(
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), FMAX), SMIN)
     v = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FMAX, FMAX)
-    tl.store(q_ptr + row * K + cols, _round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + row * K + cols, round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * num_groups + g, scale, mask=g < num_groups)
 
 

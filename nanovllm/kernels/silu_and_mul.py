@@ -1,14 +1,19 @@
 """SwiGLU's ``silu(gate) * up`` on a fused gate/up projection whose gate and up columns are
 interleaved (gate ``j`` at ``2j``, up ``j`` at ``2j + 1``, as the engine stores the weight), one
-pass over memory."""
+pass over memory; and the same rounded to FP8 per token for a down projection with FP8 weights
+(one program per token: a pass for the token's largest magnitude, a second, from L2, to store)."""
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_per_token_group_ref, round_to_e4m3
+
 _BLOCK = 1024  # output columns per program
 _NUM_WARPS = 4
+_FP8_BLOCK = 2048  # output columns per step of the FP8 variant's loops
+_FP8_NUM_WARPS = 8
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -18,17 +23,53 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., 0::2]) * x[..., 1::2]
 
 
+def silu_and_mul_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`silu_and_mul_ref` (in ``x.dtype``) rounded to FP8 per token, as the per-channel FP8
+    layers round their input: ``(values [tokens, size] e4m3, scale [tokens, 1] float32)``."""
+    h = silu_and_mul_ref(x)
+    rows = h.reshape(-1, h.shape[-1])
+    return quantize_per_token_group_ref(rows, group=rows.shape[-1])
+
+
+@triton.jit
+def _swiglu(row_ptr, cols, mask):
+    """silu(gate) * up of columns ``cols`` of one row, each op rounded to the row's dtype, in
+    fp32 (0 where masked)."""
+    # one [BLOCK, 2] load of (gate, up) pairs
+    pairs = tl.load(row_ptr + 2 * cols[:, None] + tl.arange(0, 2)[None, :], mask=mask[:, None], other=0.0)
+    gate, up = tl.split(pairs.to(tl.float32))
+    dtype = row_ptr.dtype.element_ty
+    # silu rounded to the activation dtype before the product, as the reference does
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype).to(tl.float32)
+
+
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
-    # one [BLOCK, 2] load of (gate, up) pairs
-    pairs = tl.load(x_ptr + row * stride_x + 2 * cols[:, None] + tl.arange(0, 2)[None, :], mask=mask[:, None])
-    gate, up = tl.split(pairs.to(tl.float32))
-    # silu rounded to the activation dtype before the product, as the reference does
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    h = _swiglu(x_ptr + row * stride_x, cols, mask)
+    tl.store(out_ptr + row * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["size", "stride_x"])
+def _silu_and_mul_fp8_kernel(
+    x_ptr, q_ptr, s_ptr, size, stride_x, BLOCK: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, size, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(_swiglu(x_row, cols, cols < size)))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FMAX), SMIN)
+    for start in range(0, size, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < size
+        v = tl.clamp(tl.math.div_rn(_swiglu(x_row, cols, mask), scale), -FMAX, FMAX)
+        tl.store(q_ptr + row * size + cols, round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -47,3 +88,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             x2d, out, size, x2d.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=_NUM_WARPS
         )
     return out.view(*x.shape[:-1], size)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`silu_and_mul_fp8_ref` (up to exp's last bits); ``x`` 2-d with a
+    unit stride in its last dimension. Outputs are contiguous."""
+    if x.dim() != 2 or x.shape[-1] % 2:
+        raise ValueError(f"x must be 2-d with gate and up in an even last dimension: {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        raise ValueError("x needs a unit stride in the last dimension")
+    rows, size = x.shape[0], x.shape[1] // 2
+    q = torch.empty(rows, size, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows and size:
+        _silu_and_mul_fp8_kernel[(rows,)](
+            x, q, scale, size, x.stride(0),
+            BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(size)), FMAX=FP8_MAX, SMIN=MIN_SCALE,
+            num_warps=_FP8_NUM_WARPS,
+        )  # fmt: skip
+    return q, scale

@@ -6,16 +6,15 @@ from torch import nn
 
 from nanovllm.kernels.fp8 import FP8
 from nanovllm.kernels.gate_up_silu import gate_up_silu, gate_up_silu_fits, gate_up_silu_ref
-from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
-from nanovllm.layers.fp8 import PER_ROW_SCALED, QuantizedActivation, quantize_per_token
+from nanovllm.kernels.silu_and_mul import (
+    silu_and_mul,
+    silu_and_mul_fp8,
+    silu_and_mul_fp8_ref,
+    silu_and_mul_ref,
+)
+from nanovllm.layers.fp8 import PER_ROW_SCALED, QuantizedActivation
 from nanovllm.layers.linear import ColumnParallelLinear
 from nanovllm.layers.parallel import TPGroup, copy_weight, shard_of
-
-
-def swiglu_fp8(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """SwiGLU of the interleaved gate/up output, rounded to FP8 per token (one fused kernel when
-    compiled)."""
-    return quantize_per_token(silu_and_mul_ref(y))
 
 
 class GateUpSwiGLU(ColumnParallelLinear):
@@ -27,15 +26,12 @@ class GateUpSwiGLU(ColumnParallelLinear):
     and a separate SwiGLU kernel.
     """
 
-    compilable = ("swiglu_fp8_fn",)
-
     def __init__(
         self, input_size: int, intermediate_size: int, tp: TPGroup = TPGroup(), quant: str | None = None
     ):
         super().__init__(input_size, 2 * intermediate_size, False, tp, quant)
         # with per-channel FP8 weights the down projection takes its input rounded to FP8 here
         self.fp8_output = quant in PER_ROW_SCALED
-        self.swiglu_fp8_fn = swiglu_fp8
 
     def part_rows(self, shard_id: int) -> int:
         return self.weight.shape[0] // 2 * self.tp.size
@@ -48,7 +44,8 @@ class GateUpSwiGLU(ColumnParallelLinear):
         if self.weight.dtype == FP8:
             y = self.fp8_forward(x, None)
             if self.fp8_output:
-                return QuantizedActivation(*self.swiglu_fp8_fn(y), y.dtype)
+                swiglu_fp8 = silu_and_mul_fp8 if y.is_cuda else silu_and_mul_fp8_ref
+                return QuantizedActivation(*swiglu_fp8(y.reshape(-1, y.shape[-1])), y.dtype)
             return silu_and_mul(y) if y.is_cuda else silu_and_mul_ref(y)
         if not x.is_cuda:
             return gate_up_silu_ref(x, self.weight)

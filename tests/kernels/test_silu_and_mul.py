@@ -5,7 +5,13 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 
-from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from nanovllm.kernels.fp8 import FP8
+from nanovllm.kernels.silu_and_mul import (
+    silu_and_mul,
+    silu_and_mul_fp8,
+    silu_and_mul_fp8_ref,
+    silu_and_mul_ref,
+)
 from tests.interpreter import DEVICE
 
 pytestmark = pytest.mark.gpu
@@ -43,3 +49,49 @@ def test_reference_is_hf_swiglu():
     want = ACT2FN["silu"](gate) * up  # Qwen3MLP / LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
     pairs = torch.stack([gate, up], dim=-1).flatten(-2)  # gate j at 2j, up j at 2j + 1
     assert torch.equal(silu_and_mul_ref(pairs), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 2 * 96), (3, 2 * 2100), (1, 2 * 3072), (64, 2 * 5000), (0, 64)])
+def test_fp8_kernel_matches_reference(dtype, shape):
+    """The same SwiGLU values rounded per token: scales agree to the dtype's rounding of the
+    largest value, and each e4m3 value is the reference's or (where exp's last bits moved the
+    SwiGLU value across a rounding boundary) one e4m3 step from it."""
+    gen = torch.Generator().manual_seed(1)
+    x = (4 * torch.randn(shape, generator=gen)).to(dtype).to(DEVICE)
+    x[:, :2] = torch.tensor([20.0, 30.0])  # one large value per row: small ones round coarsely
+    q, scale = silu_and_mul_fp8(x)
+    q_ref, scale_ref = silu_and_mul_fp8_ref(x)
+    assert q.dtype == q_ref.dtype == FP8 and q.shape == q_ref.shape == (shape[0], shape[1] // 2)
+    assert scale.shape == scale_ref.shape == (shape[0], 1)
+    if not shape[0]:
+        return
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(scale, scale_ref, atol=0, rtol=tol)
+    values, want = q.float().cpu(), q_ref.float().cpu()
+    step = torch.maximum(want.abs() / 8, torch.full_like(want, 2.0**-9))  # e4m3: 3 mantissa bits
+    assert ((values - want).abs() <= step).all()
+    assert (values == want).float().mean() > 0.99
+
+
+def test_fp8_kernel_on_a_strided_view_and_bad_inputs():
+    x = torch.randn(6, 2 * 80, dtype=torch.float32, device=DEVICE)
+    q, scale = silu_and_mul_fp8(x[::2])
+    q_ref, scale_ref = silu_and_mul_fp8_ref(x[::2])
+    assert (q.float() == q_ref.float()).float().mean() > 0.99
+    torch.testing.assert_close(scale, scale_ref, atol=0, rtol=1e-6)
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul_fp8(torch.zeros(2, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="2-d"):
+        silu_and_mul_fp8(torch.zeros(2, 2, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="unit stride"):
+        silu_and_mul_fp8(torch.zeros(8, 4, device=DEVICE).t())
+
+
+def test_fp8_reference_is_the_quantized_swiglu():
+    """The reference is the model-dtype SwiGLU rounded as the FP8 layers round any input."""
+    x = torch.randn(5, 2 * 48, dtype=torch.bfloat16)
+    q, scale = silu_and_mul_fp8_ref(x)
+    h = silu_and_mul_ref(x).float()
+    assert torch.equal(scale[:, 0], (h.abs().amax(dim=1) / 448).clamp(min=torch.finfo(torch.float32).tiny))
+    assert torch.equal(q, (h / scale).clamp(-448, 448).to(FP8))
