@@ -110,16 +110,17 @@ def test_cuda_greedy_choices_are_hf_argmax_up_to_near_ties(qwen3_dir, prompts, d
     whose MMA keeps ~14 bits in its sums: not exact as on the CPU, so a random model's near-ties
     may go either way and greedy runs part. The oracle, HF with the same rounding and each product
     exact, teacher-forced on our completions: each token we chose is HF's argmax, or within a
-    twentieth (float32) / a quarter (bf16: its own rounding on top) of the FP8 rounding's own
-    effect on the logits (HF's FP8 emulation against the unquantized model) of it."""
+    twentieth of the FP8 rounding's own effect on the logits (HF's FP8 emulation against the
+    unquantized model) of it, plus in bf16 the effect of bf16's own rounding (the unquantized
+    model in bf16 against float32), which the engine adds on top."""
     from transformers import AutoModelForCausalLM
 
     hf_fp8 = hf_fp8_model(qwen3_dir)
     plain = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+    plain_bf16 = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.bfloat16)
     options = dict(OPTIONS, device="cuda", dtype=dtype, enforce_eager=eager)
     with LLM(qwen3_dir, quantization="fp8", **options) as llm:
         completions = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    share = 0.05 if dtype == "float32" else 0.25
     argmax = unquantized = total = 0
     with torch.no_grad():
         for prompt, completion in zip(prompts, completions):
@@ -127,8 +128,11 @@ def test_cuda_greedy_choices_are_hf_argmax_up_to_near_ties(qwen3_dir, prompts, d
             ref = hf_fp8(ids).logits[0, len(prompt) - 1 :]
             plain_logits = plain(ids).logits[0, len(prompt) - 1 :]
             effect = (ref - plain_logits).abs().max()
+            allowed = 0.05 * effect
+            if dtype == "bfloat16":
+                allowed += (plain_bf16(ids).logits[0, len(prompt) - 1 :].float() - plain_logits).abs().max()
             gaps = ref.max(dim=1).values - ref.gather(1, tokens[:, None])[:, 0]
-            assert (gaps <= share * effect).all(), (gaps.max().item(), effect.item())
+            assert (gaps <= allowed).all(), (gaps.max().item(), effect.item(), allowed.item())
             argmax += int((gaps == 0).sum())
             unquantized += int((plain_logits.argmax(dim=1) == tokens).sum())
             total += len(completion)
