@@ -51,13 +51,6 @@ class QuantizedActivation(NamedTuple):
     dtype: torch.dtype
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., K]`` rounded to FP8 per token as the ``"fp8"`` layers round their input, in
-    plain torch ops, so that ``torch.compile`` fuses it into the op producing ``x`` on CUDA."""
-    rows = x.reshape(-1, x.shape[-1])
-    return quantize_per_token_group_ref(rows, group=rows.shape[-1])
-
-
 CUBLAS_MIN_ROWS = 33
 CUBLAS_ALIGN = 16  # cuBLAS's fp8 GEMMs need both matrix widths divisible by 16
 

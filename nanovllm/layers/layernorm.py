@@ -3,37 +3,14 @@
 import torch
 from torch import nn
 
-from nanovllm.layers.fp8 import QuantizedActivation, quantize_per_token
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return x.to(dtype) * weight
-
-
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    x = (x.float() + residual.float()).to(x.dtype)
-    return rms_norm(x, weight, eps), x
-
-
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_per_token(rms_norm(x, weight, eps))
-
-
-def add_rms_norm_fp8(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-    normed, residual = add_rms_norm(x, residual, weight, eps)
-    return quantize_per_token(normed), residual
+from nanovllm.kernels.rms_norm import add_rms_norm_ref, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref
+from nanovllm.layers.fp8 import QuantizedActivation
 
 
 class RMSNorm(nn.Module):
     """``fp8_output``: the output rounded to FP8 per token (a :class:`QuantizedActivation`), for
-    a consumer with per-channel FP8 weights: compiled, the rounding costs no pass of its own."""
+    a consumer with per-channel FP8 weights; on CUDA one Triton kernel adds, normalises and
+    rounds. Otherwise the torch ops, compiled on CUDA."""
 
     compilable = ("norm_fn", "add_norm_fn")
 
@@ -41,17 +18,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.fp8_output = eps, fp8_output
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        if fp8_output:
-            self.norm_fn, self.add_norm_fn = rms_norm_fp8, add_rms_norm_fp8
-        else:
-            self.norm_fn, self.add_norm_fn = rms_norm, add_rms_norm
+        self.norm_fn, self.add_norm_fn = rms_norm_ref, add_rms_norm_ref
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
-        if residual is None:
-            out = self.norm_fn(x, self.weight, self.eps)
-        else:
-            out, residual = self.add_norm_fn(x, residual, self.weight, self.eps)
         if self.fp8_output:
-            out = QuantizedActivation(*out, x.dtype)
-        return out if residual is None else (out, residual)
+            norm_fp8 = rms_norm_fp8 if x.is_cuda else rms_norm_fp8_ref
+            rows = x.reshape(-1, x.shape[-1])
+            res = None if residual is None else residual.reshape(rows.shape)
+            values, scale, summed = norm_fp8(rows, self.weight, self.eps, res)
+            out = QuantizedActivation(values, scale, x.dtype)
+            return out if residual is None else (out, summed.view(x.shape))
+        if residual is None:
+            return self.norm_fn(x, self.weight, self.eps)
+        return self.add_norm_fn(x, residual, self.weight, self.eps)

@@ -1,0 +1,95 @@
+"""RMSNorm, optionally after the residual add, and its output rounded to FP8 per token for
+projections with per-channel FP8 weights (one program per token: the row stays in registers from
+the add to the rounding)."""
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_per_token_group_ref, round_to_e4m3
+
+_MAX_HIDDEN = 16384  # a row per program, held whole
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's Qwen3/Llama RMSNorm: normalised in fp32, rounded to ``x.dtype``, times
+    ``weight`` in that dtype."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return x.to(dtype) * weight
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``, the sum rounded to ``x.dtype`` first."""
+    x = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm_ref(x, weight, eps), x
+
+
+def rms_norm_fp8_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The norm (after the residual add when ``residual`` is given) rounded to FP8 per token:
+    ``(values [tokens, hidden] e4m3, scale [tokens, 1] float32, x + residual or None)``."""
+    if residual is not None:
+        normed, residual = add_rms_norm_ref(x, residual, weight, eps)
+    else:
+        normed = rms_norm_ref(x, weight, eps)
+    rows = normed.reshape(-1, normed.shape[-1])
+    return *quantize_per_token_group_ref(rows, group=rows.shape[-1]), residual
+
+
+@triton.jit(do_not_specialize=["eps", "stride_x", "stride_r"])
+def _rms_norm_fp8_kernel(
+    x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, sum_ptr, hidden, eps, stride_x, stride_r,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(dtype)
+        tl.store(sum_ptr + row * hidden + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = ((x * inv).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FMAX), SMIN)
+    v = tl.clamp(tl.math.div_rn(y, scale), -FMAX, FMAX)
+    tl.store(q_ptr + row * hidden + cols, round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Triton version of :func:`rms_norm_fp8_ref` (up to the last bits of the sum of squares and
+    the reciprocal square root); ``x`` and ``residual`` 2-d with unit strides in their last
+    dimension, ``weight`` in ``x.dtype``. Outputs are contiguous."""
+    if x.dim() != 2 or weight.shape != x.shape[1:] or (residual is not None and residual.shape != x.shape):
+        raise ValueError(
+            f"x must be 2-d, weight [hidden] and residual x's shape: {tuple(x.shape)}, "
+            f"{tuple(weight.shape)}, {None if residual is None else tuple(residual.shape)}"
+        )
+    if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+        raise ValueError("x and residual need a unit stride in the last dimension")
+    rows, hidden = x.shape
+    if hidden > _MAX_HIDDEN:
+        raise ValueError(f"hidden size {hidden} is above the kernel's {_MAX_HIDDEN}")
+    q = torch.empty(rows, hidden, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    summed = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    if rows and hidden:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_fp8_kernel[(rows,)](
+            x, x if residual is None else residual, weight, q, scale, q if summed is None else summed,
+            hidden, eps, x.stride(0), 0 if residual is None else residual.stride(0),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, FMAX=FP8_MAX, SMIN=MIN_SCALE,
+            num_warps=min(16, max(4, block // 512)),
+        )  # fmt: skip
+    return q, scale, summed

@@ -1,0 +1,85 @@
+"""The RMSNorm rounded to FP8 (with and without the residual add) vs its torch reference
+(interpreter on CPU, device on GPU), and the references vs Hugging Face's RMSNorm."""
+
+import pytest
+import torch
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from nanovllm.kernels.fp8 import FP8
+from nanovllm.kernels.rms_norm import add_rms_norm_ref, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref
+from tests.interpreter import DEVICE
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def inputs(rows: int, hidden: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(rows, hidden, generator=gen)).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.5 * torch.randn(hidden, generator=gen)).to(dtype)
+    return x.to(DEVICE), residual.to(DEVICE), weight.to(DEVICE)
+
+
+def assert_fp8_close(got, want, dtype):
+    """Scales agree to the dtype's rounding of the largest value; each e4m3 value is the
+    reference's or, where the last bits of the sum of squares moved a normed value across a
+    rounding boundary, one e4m3 step from it."""
+    (q, scale), (q_ref, scale_ref) = got, want
+    assert q.dtype == q_ref.dtype == FP8 and q.shape == q_ref.shape and scale.shape == scale_ref.shape
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(scale, scale_ref, atol=0, rtol=tol)
+    values, ref = q.float().cpu(), q_ref.float().cpu()
+    step = torch.maximum(ref.abs() / 8, torch.full_like(ref, 2.0**-9))  # e4m3: 3 mantissa bits
+    assert ((values - ref).abs() <= step).all()
+    assert (values == ref).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, hidden", [(1, 1024), (7, 4096), (33, 96), (5, 2000), (0, 128)])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
+def test_fp8_kernel_matches_reference(dtype, rows, hidden, with_residual):
+    x, residual, weight = inputs(rows, hidden, dtype)
+    res = residual if with_residual else None
+    q, scale, summed = rms_norm_fp8(x, weight, 1e-6, res)
+    q_ref, scale_ref, summed_ref = rms_norm_fp8_ref(x, weight, 1e-6, res)
+    assert scale.shape == (rows, 1)
+    if with_residual:
+        assert torch.equal(summed, summed_ref)  # one rounding of an exact fp32 sum
+    else:
+        assert summed is None and summed_ref is None
+    if rows:
+        assert_fp8_close((q, scale), (q_ref, scale_ref), dtype)
+
+
+def test_fp8_kernel_on_strided_rows_and_bad_inputs():
+    x, residual, weight = inputs(8, 2 * 256, torch.float32)
+    x, residual, weight = x[::2, :256], residual[::2, 256:], weight[:256]
+    q, scale, summed = rms_norm_fp8(x, weight, 1e-5, residual)
+    q_ref, scale_ref, summed_ref = rms_norm_fp8_ref(x, weight, 1e-5, residual)
+    assert torch.equal(summed, summed_ref) and summed.is_contiguous()
+    assert_fp8_close((q, scale), (q_ref, scale_ref), torch.float32)
+    with pytest.raises(ValueError, match="2-d"):
+        rms_norm_fp8(x[None], weight, 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_fp8(x, weight[:8], 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_fp8(x, weight, 1e-6, residual[:2])
+    with pytest.raises(ValueError, match="unit stride"):
+        rms_norm_fp8(x.t().contiguous().t(), weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_references_are_hf_rms_norm(dtype):
+    x, residual, weight = (t.cpu() for t in inputs(6, 64, dtype, seed=1))
+    hf = Qwen3RMSNorm(64, eps=1e-6).to(dtype)
+    hf.weight.data.copy_(weight)
+    assert torch.equal(rms_norm_ref(x, weight, 1e-6), hf(x))
+    summed = (x.float() + residual.float()).to(dtype)
+    normed, got_sum = add_rms_norm_ref(x, residual, weight, 1e-6)
+    assert torch.equal(got_sum, summed) and torch.equal(normed, hf(summed))
+    q, scale, _ = rms_norm_fp8_ref(x, weight, 1e-6)
+    h = hf(x).float()
+    assert torch.equal(scale[:, 0], (h.abs().amax(dim=1) / 448).clamp(min=torch.finfo(torch.float32).tiny))
+    assert torch.equal(q, (h / scale).clamp(-448, 448).to(FP8))
