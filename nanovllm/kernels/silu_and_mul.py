@@ -1,7 +1,8 @@
 """SwiGLU's ``silu(gate) * up`` on a fused gate/up projection whose gate and up columns are
 interleaved (gate ``j`` at ``2j``, up ``j`` at ``2j + 1``, as the engine stores the weight), one
 pass over memory; and the same rounded to FP8 per token for a down projection with FP8 weights
-(one program per token: a pass for the token's largest magnitude, a second, from L2, to store)."""
+(one program per token: the row held whole where it fits, else a pass for its largest magnitude
+and a second to store)."""
 
 import torch
 import torch.nn.functional as F
@@ -53,22 +54,35 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.c
     tl.store(out_ptr + row * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _store_fp8(q_ptr, cols, mask, h, scale, FMAX: tl.constexpr):
+    v = tl.clamp(tl.math.div_rn(h, scale), -FMAX, FMAX)
+    tl.store(q_ptr + cols, round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["size", "stride_x"])
 def _silu_and_mul_fp8_kernel(
-    x_ptr, q_ptr, s_ptr, size, stride_x, BLOCK: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr
-):
+    x_ptr, q_ptr, s_ptr, size, stride_x,
+    BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr,
+):  # fmt: skip
+    """One token. ``WHOLE_ROW`` (``size <= BLOCK``): its values computed once and kept; else a
+    pass for the largest magnitude and a second that computes them again to store."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, size, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(_swiglu(x_row, cols, cols < size)))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FMAX), SMIN)
-    for start in range(0, size, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < size
-        v = tl.clamp(tl.math.div_rn(_swiglu(x_row, cols, mask), scale), -FMAX, FMAX)
-        tl.store(q_ptr + row * size + cols, round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * size
+    if WHOLE_ROW:
+        cols = tl.arange(0, BLOCK)
+        h = _swiglu(x_row, cols, cols < size)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(h), axis=0), FMAX), SMIN)
+        _store_fp8(q_row, cols, cols < size, h, scale, FMAX)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, size, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(_swiglu(x_row, cols, cols < size)))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FMAX), SMIN)
+        for start in range(0, size, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            _store_fp8(q_row, cols, cols < size, _swiglu(x_row, cols, cols < size), scale, FMAX)
     tl.store(s_ptr + row, scale)
 
 
@@ -90,9 +104,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], size)
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_fp8(
+    x: torch.Tensor, block: int | None = None, num_warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`silu_and_mul_fp8_ref` (up to exp's last bits); ``x`` 2-d with a
-    unit stride in its last dimension. Outputs are contiguous."""
+    unit stride in its last dimension. Outputs are contiguous. ``block`` (a power of two: output
+    columns per step, the whole row in one when it fits) and ``num_warps`` override the tiles."""
     if x.dim() != 2 or x.shape[-1] % 2:
         raise ValueError(f"x must be 2-d with gate and up in an even last dimension: {tuple(x.shape)}")
     if x.stride(-1) != 1:
@@ -101,9 +118,10 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(rows, size, dtype=FP8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows and size:
+        block = block or min(_FP8_BLOCK, triton.next_power_of_2(size))
         _silu_and_mul_fp8_kernel[(rows,)](
             x, q, scale, size, x.stride(0),
-            BLOCK=min(_FP8_BLOCK, triton.next_power_of_2(size)), FMAX=FP8_MAX, SMIN=MIN_SCALE,
-            num_warps=_FP8_NUM_WARPS,
+            BLOCK=block, WHOLE_ROW=size <= block, FMAX=FP8_MAX, SMIN=MIN_SCALE,
+            num_warps=num_warps or _FP8_NUM_WARPS,
         )  # fmt: skip
     return q, scale

@@ -53,14 +53,17 @@ def test_reference_is_hf_swiglu():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7, 2 * 96), (3, 2 * 2100), (1, 2 * 3072), (64, 2 * 5000), (0, 64)])
-def test_fp8_kernel_matches_reference(dtype, shape):
+@pytest.mark.parametrize(
+    "tiles", [{}, dict(block=256, num_warps=4), dict(block=8192)], ids=["default", "steps", "whole_row"]
+)
+def test_fp8_kernel_matches_reference(dtype, shape, tiles):
     """The same SwiGLU values rounded per token: scales agree to the dtype's rounding of the
     largest value, and each e4m3 value is the reference's or (where exp's last bits moved the
     SwiGLU value across a rounding boundary) one e4m3 step from it."""
     gen = torch.Generator().manual_seed(1)
     x = (4 * torch.randn(shape, generator=gen)).to(dtype).to(DEVICE)
     x[:, :2] = torch.tensor([20.0, 30.0])  # one large value per row: small ones round coarsely
-    q, scale = silu_and_mul_fp8(x)
+    q, scale = silu_and_mul_fp8(x, **tiles)
     q_ref, scale_ref = silu_and_mul_fp8_ref(x)
     assert q.dtype == q_ref.dtype == FP8 and q.shape == q_ref.shape == (shape[0], shape[1] // 2)
     assert scale.shape == scale_ref.shape == (shape[0], 1)
