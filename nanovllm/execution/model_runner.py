@@ -113,26 +113,31 @@ class ModelRunner:
         self.config = config
         self.device = rank_device(config, rank)
         self.startup_seconds: dict[str, float] = {}
-        """Where this rank's start-up went: "load" (building the model and reading its weights),
+        """Where this rank's start-up went: "device" (joining the process group, the CUDA
+        context), "load" (building the model and reading its weights), "compile_setup"
+        (wrapping the element-wise ops for ``torch.compile``, which imports it),
         "profile" (a full-budget prefill sizing the KV cache), "kv_cache" (allocating it),
         "warm_up" (the eager step shapes, compiling kernels) and "graphs" (capturing decode
         graphs); phases that do not run (CPU, ``enforce_eager``) are absent."""
         self.tp = TPGroup(rank, config.tensor_parallel_size)
-        if self.tp.size > 1:
-            # a collective that waits longer than this on a stopped or hung peer fails
-            dist.init_process_group(
-                "nccl" if self.device.type == "cuda" else "gloo",
-                store=store,
-                world_size=self.tp.size,
-                rank=rank,
-                timeout=timedelta(seconds=config.worker_timeout_s),
-            )
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        with self._phase("device"):
+            if self.tp.size > 1:
+                # a collective that waits longer than this on a stopped or hung peer fails
+                dist.init_process_group(
+                    "nccl" if self.device.type == "cuda" else "gloo",
+                    store=store,
+                    world_size=self.tp.size,
+                    rank=rank,
+                    timeout=timedelta(seconds=config.worker_timeout_s),
+                )
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+                torch.cuda.init()
         with self._phase("load"):
             self.model = build_model(config, self.tp, self.device)
         if self.device.type == "cuda" and not config.enforce_eager:
-            compile_elementwise_ops(self.model)  # lazily: compiled in the profile and the warm-up
+            with self._phase("compile_setup"):
+                compile_elementwise_ops(self.model)  # lazily: compiled in the profile and the warm-up
         # the engine's seed makes unseeded sampling repeat, engine after engine (as vLLM's)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.inputs = StepInputBuilder(
