@@ -143,6 +143,8 @@ class TPExecutor:
         if self.runner is not None:
             self.runner.close()
             self.runner = None
+        if self.size > 1 and dist.is_initialized():  # rank 0 failed to start after joining the group
+            dist.destroy_process_group()
         if self.channel is not None:
             self.channel.close(unlink=True)
             self.channel = None

@@ -241,3 +241,44 @@ def test_a_script_without_main_guard_fails_fast_with_the_fix(tmp_path, qwen3_dir
     assert 'if __name__ == "__main__":' in res.stderr, res.stderr[-3000:]
     assert time.monotonic() - start < 60
     assert shm_entries() <= before
+
+
+def test_a_failed_start_leaves_the_process_free_for_the_next_engine(tmp_path, qwen3_dir):
+    """Rank 0 fails to build its model after joining the process group (workers started): the
+    group and the workers go with the error, and the next tensor-parallel engine starts."""
+    script = tmp_path / "failed_start.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import torch.distributed as dist
+        from nanovllm import LLM, SamplingParams
+        from nanovllm.execution import model_runner
+
+        def main():
+            build = model_runner.build_model
+            def broken(*args, **kwargs):
+                raise RuntimeError("no weights today")
+            model_runner.build_model = broken
+            try:
+                LLM({qwen3_dir!r}, tensor_parallel_size=2, device="cpu", max_model_len=128)
+            except RuntimeError as exc:
+                print("refused:", exc)
+            print("group left:", dist.is_initialized())
+            model_runner.build_model = build
+            with LLM({qwen3_dir!r}, tensor_parallel_size=2, device="cpu", max_model_len=128) as llm:
+                out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+                print("generated:", len(out[0].outputs[0].token_ids))
+
+        if __name__ == "__main__":
+            main()
+        """)
+    )
+    res = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "refused: no weights today" in res.stdout
+    assert "group left: False" in res.stdout and "generated: 4" in res.stdout
