@@ -365,11 +365,19 @@ class Config:
                 f"quantization={self.quantization!r} is not supported: None or 'fp8' (weights quantized "
                 "to float8 as they load); for another format, load the bf16/fp16 checkpoint"
             )
-        if self.linear_weights in ("fp8_block", "fp8_tensor") and moe_settings(self.hf_config)[0]:
-            # quantization="fp8" quantizes experts as they load; stored FP8 experts are not read
+        experts, expert_size, _ = moe_settings(self.hf_config)
+        share = expert_size // self.tensor_parallel_size
+        if self.linear_weights == "fp8_block" and experts and self.tensor_parallel_size > 1 and share % 128:
             raise ValueError(
-                "FP8 checkpoints are not implemented for mixture-of-experts models yet: load the "
-                "bf16/fp16 checkpoint with quantization='fp8'"
+                f"an FP8 checkpoint's experts (128 x 128 blocks) need each rank's share of "
+                f"moe_intermediate_size={expert_size} to be a multiple of 128; with "
+                f"tensor_parallel_size={self.tensor_parallel_size} it is {share}"
+            )
+        if self.linear_weights == "fp8_tensor" and experts:
+            # quantization="fp8" quantizes experts as they load, block checkpoints' load as stored
+            raise ValueError(
+                "FP8 checkpoints with one scale per tensor are not implemented for mixture-of-experts "
+                "models: load the bf16/fp16 checkpoint with quantization='fp8'"
             )
 
     def _resolve_kv_cache_dtype(self) -> str:

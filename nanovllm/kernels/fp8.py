@@ -153,6 +153,24 @@ def fp8_block_gemm_ref(
     return (a @ w.T).to(out_dtype)
 
 
+def fp8_row_group_gemm_ref(
+    a_fp8: torch.Tensor,
+    a_scales: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_row_scales: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Reference of the block-scaled product with the weight's scales kept per row (as the
+    ``"fp8_block"`` layers and experts keep them): ``a [M, K]`` scaled per token and 128 features
+    (``a_scales [M, G]``) times ``w [N, K]`` scaled per row and 128 features (``w_row_scales
+    [N, G]``), transposed: ``[M, N]``, both dequantized in float64 (e4m3 values times float32
+    scales are exact there), one matmul, rounded once to ``out_dtype`` (the CPU layers' product)."""
+    k = a_fp8.shape[-1]
+    a = a_fp8.double() * a_scales.double().repeat_interleave(GROUP, dim=1)[:, :k]
+    w = w_fp8.double() * w_row_scales.double().repeat_interleave(GROUP, dim=1)[:, :k]
+    return (a @ w.T).to(out_dtype)
+
+
 def fp8_channel_gemm_ref(
     a_fp8: torch.Tensor,
     a_scale: torch.Tensor,

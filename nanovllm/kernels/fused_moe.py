@@ -17,7 +17,11 @@ pair's ``silu(gate) * up``, already rounded to the activation dtype, for down); 
 the e4m3 values is scaled by row scale x weight scale and rounded to the activation dtype where
 the 16/32-bit product is. The reference computes each product in float64, where products of e4m3
 values and their sums are exact (a matrix library's order cannot change them); the kernels sum
-in fp32 on fp8 tensor cores.
+in fp32 on fp8 tensor cores. An FP8 checkpoint's experts (``weight_block_size: [128, 128]``) keep
+their block scales per row and 128 input features (``w13_scale [experts, 2 * inter, ceil(hidden /
+128)]``, ``w2_scale [experts, hidden, ceil(inter / 128)]``), and each GEMM's input is rounded per
+row and 128 features; the kernels scale each K step's sums by its group's scales, the reference
+dequantizes both sides in float64.
 """
 
 import torch
@@ -28,7 +32,9 @@ import triton.language as tl
 from nanovllm.kernels.device import capability
 from nanovllm.kernels.fp8 import (
     FP8,
+    GROUP,
     fp8_channel_gemm_ref,
+    fp8_row_group_gemm_ref,
     quantize_per_token_group,
     quantize_per_token_group_ref,
 )
@@ -45,8 +51,9 @@ def _check(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None,
     w2_scale: torch.Tensor | None,
-) -> bool:
-    """``ValueError`` unless the arguments fit together; returns whether the weights are FP8."""
+) -> tuple[bool, bool]:
+    """``ValueError`` unless the arguments fit together; returns whether the weights are FP8 and
+    whether their scales are per 128 input features (block scales) rather than per row."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"x, w13, w2 must be 2-d, 3-d, 3-d: {x.dim()}, {w13.dim()}, {w2.dim()}")
     tokens, hidden = x.shape
@@ -69,10 +76,14 @@ def _check(
             raise ValueError(f"x must be fp32/fp16/bf16 and w2 e4m3 like w13: {x.dtype}, {w2.dtype}")
         if w13_scale is None or w2_scale is None:
             raise ValueError("e4m3 weights need w13_scale and w2_scale")
-        if w13_scale.shape != w13.shape[:2] or w2_scale.shape != w2.shape[:2]:
+        grouped = w13_scale.dim() == 3
+        per_row = (w13.shape[:2], w2.shape[:2])
+        per_group = ((*w13.shape[:2], triton.cdiv(hidden, GROUP)), (*w2.shape[:2], triton.cdiv(inter, GROUP)))
+        if (w13_scale.shape, w2_scale.shape) not in (per_row, per_group):
             raise ValueError(
                 f"w13_scale {tuple(w13_scale.shape)} / w2_scale {tuple(w2_scale.shape)} must be "
-                f"{tuple(w13.shape[:2])} / {tuple(w2.shape[:2])}: one per expert and output row"
+                f"{tuple(per_row[0])} / {tuple(per_row[1])} (one per expert and output row) or "
+                f"{per_group[0]} / {per_group[1]} (per expert, row and {GROUP} input features)"
             )
         if w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32:
             raise ValueError(f"weight scales must be float32: {w13_scale.dtype}, {w2_scale.dtype}")
@@ -81,15 +92,18 @@ def _check(
             raise ValueError(f"x, w13, w2 must share one float dtype: {x.dtype}, {w13.dtype}, {w2.dtype}")
         if w13_scale is not None or w2_scale is not None:
             raise ValueError(f"weight scales go with e4m3 weights, not {w13.dtype}")
-    return fp8
+        grouped = False
+    return fp8, grouped
 
 
 def _expert_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, w)``; for an e4m3 ``w`` (``w_scale`` per row), ``x`` rounded to e4m3 per row
-    and the exact product (:func:`~nanovllm.kernels.fp8.fp8_channel_gemm_ref`) rounded to ``x``'s
-    dtype."""
+    """``F.linear(x, w)``; for an e4m3 ``w``, ``x`` rounded to e4m3 as ``w`` is scaled (per row
+    with ``w_scale [rows]``, per row and 128 features with ``w_scale [rows, groups]``) and the
+    product computed in float64, rounded to ``x``'s dtype."""
     if w_scale is None:
         return F.linear(x, w)
+    if w_scale.dim() == 2:
+        return fp8_row_group_gemm_ref(*quantize_per_token_group_ref(x, group=GROUP), w, w_scale, x.dtype)
     return fp8_channel_gemm_ref(*quantize_per_token_group_ref(x, group=x.shape[1]), w, w_scale, x.dtype)
 
 
@@ -108,7 +122,9 @@ def fused_moe_ref(
     ``topk_ids`` ``[tokens, top_k]``. Returns ``[tokens, hidden]`` in ``x.dtype``:
     ``sum_k weight_k * down(silu(gate(x)) * up(x))`` over the token's experts (syncs with the host).
     e4m3 ``w13`` / ``w2`` take their scales ``w13_scale [experts, 2 * inter]`` / ``w2_scale
-    [experts, hidden]`` (float32) and run as the module docstring says."""
+    [experts, hidden]`` (float32, per row), or ``[experts, 2 * inter, ceil(hidden / 128)]`` /
+    ``[experts, hidden, ceil(inter / 128)]`` (per row and 128 input features: an FP8 checkpoint's
+    block scales), and run as the module docstring says."""
     _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     tokens, top_k = topk_ids.shape
     out = torch.zeros(tokens, top_k, x.shape[1], dtype=x.dtype, device=x.device)
@@ -124,13 +140,15 @@ def fused_moe_ref(
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr, x_scale_ptr, w_scale_ptr,
     num_pairs, top_k, hidden, inter,
-    stride_xm, stride_we, stride_wn, stride_wk, stride_om, stride_xsm, stride_wse,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_om, stride_xsm, stride_wse, stride_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, GROUP_K: tl.constexpr,
 ):  # fmt: skip
     """out[pair, n] = silu(x[token] @ gate[e, n]) * (x[token] @ up[e, n]) for one block of pairs.
     ``FP8``: ``x`` and ``w`` hold e4m3 values, scaled per token (``x_scale``) and per expert and
-    row (``w_scale``) once the sums are done."""
+    row (``w_scale``) once the sums are done; with ``GROUP_K`` (block scales) per token and
+    ``GROUP_K`` features and per expert, row and ``GROUP_K`` features, each K step's sums scaled
+    by its group's (``BLOCK_K`` divides ``GROUP_K``)."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # the grid is sized for the worst case
         return
@@ -151,7 +169,15 @@ def _gate_up_kernel(
         w_mask = (n[None, :] < inter) & (k[:, None] < hidden - k0)
         g = tl.load(g_ptrs, mask=w_mask, other=0.0)
         u = tl.load(u_ptrs, mask=w_mask, other=0.0)
-        if FP8:  # a fresh dot per step: Hopper's fp8 MMA accumulates in reduced precision
+        if FP8 and GROUP_K:
+            group = k0 // GROUP_K
+            x_s = tl.load(x_scale_ptr + tokens * stride_xsm + group, mask=valid, other=0.0)[:, None]
+            s_ptrs = w_scale_ptr + e * stride_wse + n * stride_wsn + group
+            gate += tl.dot(a, g) * x_s * tl.load(s_ptrs, mask=n < inter, other=0.0)[None, :]
+            up += (
+                tl.dot(a, u) * x_s * tl.load(s_ptrs + inter * stride_wsn, mask=n < inter, other=0.0)[None, :]
+            )
+        elif FP8:  # a fresh dot per step: Hopper's fp8 MMA accumulates in reduced precision
             gate += tl.dot(a, g)
             up += tl.dot(a, u)
         else:
@@ -160,11 +186,11 @@ def _gate_up_kernel(
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
-    if FP8:
+    if FP8 and not GROUP_K:
         x_s = tl.load(x_scale_ptr + tokens * stride_xsm, mask=valid, other=0.0)[:, None]
-        s_ptrs = w_scale_ptr + e * stride_wse + n
+        s_ptrs = w_scale_ptr + e * stride_wse + n * stride_wsn
         gate = gate * x_s * tl.load(s_ptrs, mask=n < inter, other=0.0)[None, :]
-        up = up * x_s * tl.load(s_ptrs + inter, mask=n < inter, other=0.0)[None, :]
+        up = up * x_s * tl.load(s_ptrs + inter * stride_wsn, mask=n < inter, other=0.0)[None, :]
     # round each step to the activation dtype, as the reference's separate torch ops do
     dt = out_ptr.dtype.element_ty
     gate = gate.to(dt).to(tl.float32)
@@ -179,13 +205,13 @@ def _down_kernel(
     h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr,
     h_scale_ptr, w_scale_ptr,
     num_pairs, hidden, inter,
-    stride_hm, stride_we, stride_wn, stride_wk, stride_om, stride_hsm, stride_wse,
+    stride_hm, stride_we, stride_wn, stride_wk, stride_om, stride_hsm, stride_wse, stride_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, GROUP_K: tl.constexpr,
 ):  # fmt: skip
     """out[pair, n] = weight[pair] * (h[pair] @ down[e, n]) for one block of pairs. ``FP8``: ``h``
     and ``w`` hold e4m3 values, scaled per pair (``h_scale``) and per expert and row (``w_scale``)
-    once the sums are done."""
+    once the sums are done, or per K step with ``GROUP_K`` as in the gate / up kernel."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -201,15 +227,20 @@ def _down_kernel(
     for k0 in range(0, inter, BLOCK_K):
         a = tl.load(h_ptrs, mask=valid[:, None] & (k[None, :] < inter - k0), other=0.0)
         w = tl.load(w_ptrs, mask=(n[None, :] < hidden) & (k[:, None] < inter - k0), other=0.0)
-        if FP8:  # a fresh dot per step, as in the gate / up kernel
+        if FP8 and GROUP_K:
+            group = k0 // GROUP_K
+            h_s = tl.load(h_scale_ptr + rows64 * stride_hsm + group, mask=valid, other=0.0)
+            w_s = tl.load(w_scale_ptr + e * stride_wse + n * stride_wsn + group, mask=n < hidden, other=0.0)
+            acc += tl.dot(a, w) * h_s[:, None] * w_s[None, :]
+        elif FP8:  # a fresh dot per step, as in the gate / up kernel
             acc += tl.dot(a, w)
         else:
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    if FP8:
+    if FP8 and not GROUP_K:
         h_s = tl.load(h_scale_ptr + rows64 * stride_hsm, mask=valid, other=0.0)
-        w_s = tl.load(w_scale_ptr + e * stride_wse + n, mask=n < hidden, other=0.0)
+        w_s = tl.load(w_scale_ptr + e * stride_wse + n * stride_wsn, mask=n < hidden, other=0.0)
         acc = acc * h_s[:, None] * w_s[None, :]
     dt = out_ptr.dtype.element_ty
     weight = tl.load(topk_weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
@@ -251,10 +282,10 @@ def fused_moe(
     ``BLOCK_K`` >= 32 for e4m3 weights), ``num_warps``, ``num_stages``. With e4m3 weights each
     GEMM's input is quantized by :func:`~nanovllm.kernels.fp8.quantize_per_token_group` first, and
     on CUDA it needs float8 tensor cores (compute capability 8.9+)."""
-    fp8 = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    fp8, grouped = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     if x.stride(1) != 1:
         raise ValueError("x needs a unit stride in the last dimension")
-    if fp8 and (w13_scale.stride(1) != 1 or w2_scale.stride(1) != 1):
+    if fp8 and (w13_scale.stride(-1) != 1 or w2_scale.stride(-1) != 1):
         raise ValueError("w13_scale and w2_scale need a unit stride in the last dimension")
     if fp8 and x.is_cuda and capability(x.device) < (8, 9):
         raise ValueError("e4m3 experts need float8 tensor cores (compute capability 8.9+)")
@@ -268,9 +299,12 @@ def fused_moe(
     tiles = {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     if fp8 and tiles["BLOCK_K"] < 32:  # the fp8 MMA's K is 32
         raise ValueError(f"BLOCK_K must be at least 32 for e4m3 weights: {tiles['BLOCK_K']}")
+    if grouped and tiles["BLOCK_K"] > GROUP:  # a K step scaled by one group's scales
+        raise ValueError(f"BLOCK_K must be at most {GROUP} for block-scaled weights: {tiles['BLOCK_K']}")
     launch = dict(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         FP8=fp8,
+        GROUP_K=GROUP if grouped else 0,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **tiles,
@@ -280,24 +314,24 @@ def fused_moe(
     num_blocks = expert_of_block.numel()
     # e4m3: each token's hidden state rounded once, whichever experts read it; without, the scale
     # pointers are never read (any tensor stands in)
-    a, a_scale = quantize_per_token_group(x, group=hidden) if fp8 else (x, x)
+    a, a_scale = quantize_per_token_group(x, group=GROUP if grouped else hidden) if fp8 else (x, x)
     w13_s = w13_scale if fp8 else x
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]))](
         a, w13, h, sorted_ids, expert_of_block, num_padded, a_scale, w13_s,
         num_pairs, top_k, hidden, inter,
         a.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
-        a_scale.stride(0), w13_s.stride(0),
+        a_scale.stride(0), w13_s.stride(0), w13_s.stride(1),
         **launch,
     )  # fmt: skip
-    h, h_scale = quantize_per_token_group(h, group=inter) if fp8 else (h, h)
+    h, h_scale = quantize_per_token_group(h, group=GROUP if grouped else inter) if fp8 else (h, h)
     w2_s = w2_scale if fp8 else x
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, tiles["BLOCK_N"]))](
         h, w2, out, weights, sorted_ids, expert_of_block, num_padded, h_scale, w2_s,
         num_pairs, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
-        h_scale.stride(0), w2_s.stride(0),
+        h_scale.stride(0), w2_s.stride(0), w2_s.stride(1),
         **launch,
     )  # fmt: skip
     # fixed-order fp32 sum over k (deterministic, unlike atomics), rounded once like the reference

@@ -28,6 +28,7 @@ from nanovllm.kernels.fp8 import (
     GROUP,
     fp8_channel_gemm_ref,
     fp8_gemm,
+    fp8_row_group_gemm_ref,
     quantize_per_token_group,
     quantize_per_token_group_ref,
     quantize_weight_blockwise_ref,
@@ -125,13 +126,10 @@ def fp8_block_linear(
     it comes rounded), the weight's groups of 128 input features scaled by ``row_scales [out,
     groups]``, in the model dtype."""
     x_fp8, x_scales, dtype, lead = _rows(x, GROUP)
-    k = x_fp8.shape[-1]
     if x_fp8.is_cuda:
         y = fp8_gemm(x_fp8, x_scales, weight, row_scales, dtype)
     else:
-        x_deq = x_fp8.double() * x_scales.double().repeat_interleave(GROUP, dim=1)[:, :k]
-        w_deq = weight.double() * row_scales.double().repeat_interleave(GROUP, dim=1)[:, :k]
-        y = (x_deq @ w_deq.T).to(dtype)
+        y = fp8_row_group_gemm_ref(x_fp8, x_scales, weight, row_scales, dtype)
     if bias is not None:
         y = y + bias
     return y.view(*lead, weight.shape[0])

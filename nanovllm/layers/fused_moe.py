@@ -4,14 +4,21 @@ expert's intermediate size across ranks (no expert is split unevenly, no token i
 With ``quantization="fp8"`` the experts' weights are held in float8 e4m3, quantized as they load
 with one float32 scale per expert and output row, each row scaled over its whole length before
 the tensor-parallel split (every rank agrees on a row's scale; ``down_proj``'s rows are split
-along their length, so a rank keeps its slice of the whole row's e4m3 values and its scale)."""
+along their length, so a rank keeps its slice of the whole row's e4m3 values and its scale).
+
+An FP8 checkpoint's experts (``weight_block_size: [128, 128]``, as Qwen3-30B-A3B-FP8) load as
+stored: e4m3 weights, and each 128 x 128 block's ``weight_scale_inv`` given to the block's rows,
+so that scales are ``[experts, rows, groups of 128 input features]`` and split and route with
+their rows (``down_proj``'s groups split across ranks with its columns: each rank's share of the
+intermediate size must then be a multiple of 128)."""
 
 import torch
+import triton
 from torch import nn
 
-from nanovllm.kernels.fp8 import FP8
+from nanovllm.kernels.fp8 import FP8, GROUP
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
-from nanovllm.layers.fp8 import quantize_weight
+from nanovllm.layers.fp8 import quantize_weight, quantize_weight_blocks
 from nanovllm.layers.parallel import TPGroup, copy_weight, divide, shard_of
 
 
@@ -22,13 +29,33 @@ def _quantize_rows(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weight.view(loaded.shape), scale.view(loaded.shape[:-1])
 
 
+def _block_scales_per_row(scale_inv: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[..., ceil(rows / 128), groups]`` block scales as ``[..., rows, groups]`` (float32)."""
+    return scale_inv.float().repeat_interleave(GROUP, dim=-2)[..., :rows, :]
+
+
+def _quantize_blocks(loaded: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model-dtype ``[rows, in]`` (or stacked ``[experts, rows, in]``) weight as an FP8
+    checkpoint would hold it, each of its ``parts`` (gate and up: 2) quantized by 128 x 128
+    blocks: ``(e4m3 weight, block scales per row [..., rows, groups])``."""
+    if loaded.dim() == 3:
+        pairs = [_quantize_blocks(expert, parts) for expert in loaded]
+        return torch.stack([w for w, _ in pairs]), torch.stack([s for _, s in pairs])
+    pairs = [quantize_weight_blocks(part) for part in loaded.chunk(parts, dim=0)]
+    weights = [w for w, _ in pairs]
+    scales = [_block_scales_per_row(s, w.shape[0]) for w, s in pairs]
+    return torch.cat(weights), torch.cat(scales)
+
+
 class FusedMoE(nn.Module):
     """``w13`` ``[experts, 2 * intermediate / tp, hidden]`` (gate rows, then up rows) and ``w2``
     ``[experts, hidden, intermediate / tp]``, loaded from each expert's Hugging Face
     ``gate_proj`` / ``up_proj`` / ``down_proj`` (or transformers' stacked ``gate_up_proj`` /
     ``down_proj``). ``quant="fp8"``: both in e4m3, with ``w13_scale [experts, 2 * intermediate /
-    tp]`` and ``w2_scale [experts, hidden]`` (float32), written by the weights' loader; ``None``:
-    the model dtype."""
+    tp]`` and ``w2_scale [experts, hidden]`` (float32), written by the weights' loader;
+    ``"fp8_block"``: both in e4m3 as an FP8 checkpoint stores them, ``w13_scale [experts,
+    2 * intermediate / tp, ceil(hidden / 128)]`` and ``w2_scale [experts, hidden,
+    intermediate / tp / 128]`` from its ``weight_scale_inv`` tensors; ``None``: the model dtype."""
 
     def __init__(
         self,
@@ -39,11 +66,15 @@ class FusedMoE(nn.Module):
         quant: str | None = None,
     ):
         super().__init__()
-        if quant not in (None, "fp8"):
-            raise ValueError(f"mixture-of-experts weights can be held as None or 'fp8', not {quant!r}")
+        if quant not in (None, "fp8", "fp8_block"):
+            raise ValueError(
+                f"mixture-of-experts weights can be held as None, 'fp8' or 'fp8_block', not {quant!r}"
+            )
         self.tp = tp
         inter = divide(intermediate_size, tp.size)
-        dtype = FP8 if quant == "fp8" else None
+        if quant == "fp8_block" and tp.size > 1 and inter % GROUP:  # (Config says so first)
+            raise ValueError(f"block-scaled experts split into {inter} rows a rank, not whole blocks")
+        dtype = FP8 if quant else None
         w13 = torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype)
         w2 = torch.empty(num_experts, hidden_size, inter, dtype=dtype)
         self.w13 = nn.Parameter(w13, requires_grad=False)
@@ -56,6 +87,14 @@ class FusedMoE(nn.Module):
             # written with the weights: no checkpoint tensor of their own
             self.w13_scale.derived = self.w2_scale.derived = True
             self.w13.weight_loader = self.w2.weight_loader = self.fp8_weight_loader
+        elif quant == "fp8_block":
+            groups13, groups2 = triton.cdiv(hidden_size, GROUP), triton.cdiv(inter, GROUP)
+            scale13 = torch.ones(num_experts, 2 * inter, groups13, dtype=torch.float32)
+            scale2 = torch.ones(num_experts, hidden_size, groups2, dtype=torch.float32)
+            self.w13_scale = nn.Parameter(scale13, requires_grad=False)
+            self.w2_scale = nn.Parameter(scale2, requires_grad=False)
+            self.w13.weight_loader = self.w2.weight_loader = self.fp8_block_weight_loader
+            self.w13_scale.weight_loader = self.w2_scale.weight_loader = self.fp8_block_scale_loader
         else:
             self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
 
@@ -88,6 +127,51 @@ class FusedMoE(nn.Module):
         self._route(param.data, weight, shard_id, split_columns=True)
         # a scale belongs to a whole row: w13's are split with their rows, w2's not at all
         self._route(scales.data, scale, shard_id, split_columns=False)
+
+    def fp8_block_weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int | None, int | None]
+    ) -> None:
+        """An FP8 checkpoint's e4m3 expert weight as stored (its scales come as their own
+        tensors); a model-dtype one (a weight update) quantized by 128 x 128 blocks as the
+        checkpoint would hold it, its scales written with it."""
+        expert, half = shard_id
+        if loaded.dim() != (3 if expert is None else 2):
+            raise ValueError(
+                f"has shape {tuple(loaded.shape)}, expected {3 if expert is None else 2} dimensions"
+            )
+        if loaded.dtype != FP8:
+            # stacked gate_up holds gate's rows then up's, each blocked on its own in a checkpoint
+            parts = 2 if expert is None and half is not None else 1
+            if param.is_meta:
+                loaded = loaded.to(FP8)
+            else:
+                loaded, scales = _quantize_blocks(loaded.to(param.device), parts)
+                self._route_scales(scales, shard_id)
+        self._route(param.data, loaded, shard_id, split_columns=True)
+
+    def fp8_block_scale_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int | None, int | None]
+    ) -> None:
+        """A checkpoint's ``weight_scale_inv`` of one expert's gate, up or down projection
+        (``[ceil(rows / 128), ceil(in / 128)]``), each block's scale given to its rows."""
+        expert, half = shard_id
+        if expert is None or loaded.dim() != 2:
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected one expert's 2-d block scales")
+        rows = self.w2.shape[1] if half is None else self.w13.shape[1] // 2 * self.tp.size
+        if loaded.shape[0] != triton.cdiv(rows, GROUP):
+            raise ValueError(
+                f"has shape {tuple(loaded.shape)}, expected {triton.cdiv(rows, GROUP)} blocks of "
+                f"{GROUP} rows for {rows} rows"
+            )
+        self._route_scales(_block_scales_per_row(loaded, rows), shard_id, param)
+
+    def _route_scales(
+        self, scales: torch.Tensor, shard_id: tuple[int | None, int | None], param: nn.Parameter | None = None
+    ) -> None:
+        """Block scales per row go where their rows go: gate / up's rows split across ranks,
+        down's groups of input features with its columns."""
+        param = param if param is not None else self.w2_scale if shard_id[1] is None else self.w13_scale
+        self._route(param.data, scales, shard_id, split_columns=shard_id[1] is None)
 
     def _route(
         self,

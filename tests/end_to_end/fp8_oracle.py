@@ -175,6 +175,101 @@ def block_forward(weight_fp8: torch.Tensor, scale_inv: torch.Tensor, bias, parts
     return forward
 
 
+def block_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to e4m3 per token and 128 features, times the dequantized float64 ``weight``,
+    rounded once to ``x``'s dtype: an FP8 block layer's product."""
+    x_fp8, x_scales = quantize_per_token_group_ref(x, group=128)
+    x_deq = x_fp8.double() * x_scales.double().repeat_interleave(128, 1)[:, : x.shape[-1]]
+    return (x_deq @ weight.T).to(x.dtype)
+
+
+def dequantize_blocks(weight_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """An FP8 checkpoint's e4m3 weight times its 128 x 128 blocks' scales, in float64."""
+    rows, cols = weight_fp8.shape
+    scales = scale_inv.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+    return weight_fp8.double() * scales
+
+
+def block_experts_forward(experts: nn.Module, prefix: str, quantized: dict, parts: int):
+    """Hugging Face's ``Qwen3MoeExperts.forward`` as nanovllm's experts compute an FP8 checkpoint's
+    (``quantized``: :func:`write_fp8_block_checkpoint`'s, ``prefix``: the layer's ``...mlp``) on
+    ``parts`` ranks: each projection's input rounded per token and 128 features (down's: each
+    rank's slice), the product with the dequantized weight in float64, rounded; per rank the
+    token's weighted expert outputs summed (fp32: with two experts nanovllm's one rounding), the
+    ranks' sums added in rank order."""
+    num_experts = experts.gate_up_proj.shape[0]
+
+    def weights(name: str) -> list[torch.Tensor]:
+        return [
+            dequantize_blocks(*quantized[f"{prefix}.experts.{e}.{name}.weight"]) for e in range(num_experts)
+        ]
+
+    gate, up, down = weights("gate_proj"), weights("up_proj"), weights("down_proj")
+    size = gate[0].shape[0] // parts
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        assert top_k_index.shape[1] <= 2  # beyond two experts HF's sum rounds more often
+        final = torch.zeros_like(hidden_states)
+        for rank in range(parts):
+            rows = slice(rank * size, (rank + 1) * size)
+            partial = torch.zeros_like(hidden_states)
+            for e in top_k_index.unique().tolist():
+                top_k_pos, token_idx = torch.where(top_k_index.t() == e)
+                x = hidden_states[token_idx]
+                h = experts.act_fn(block_product(x, gate[e][rows])) * block_product(x, up[e][rows])
+                y = block_product(h, down[e][:, rows])
+                partial.index_add_(0, token_idx, y * top_k_weights[token_idx, top_k_pos, None])
+            final = final + partial
+        return final
+
+    return forward
+
+
+def block_checkpoint_twin(source: str, quantized: dict, parts: int):
+    """HF's model of ``source`` whose decoder linears and experts compute what nanovllm computes
+    from the FP8 block checkpoint written from it (``quantized``) on ``parts`` ranks."""
+    from transformers import AutoModelForCausalLM
+
+    twin = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    twin.generation_config.eos_token_id = None
+    for name, module in twin.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in LINEARS:
+            split = parts if name.endswith(ROW_PARALLEL) else 1
+            module.forward = block_forward(*quantized[name + ".weight"], module.bias, split)
+        elif name.endswith("mlp.experts"):
+            module.forward = block_experts_forward(module, name.rsplit(".", 1)[0], quantized, parts)
+    return twin
+
+
+def assert_close_to_twin(
+    twin, prompts: list[list[int]], llm, max_gap: float = 0.25, close: float = 0.95, agree: float = 0.97
+) -> None:
+    """``llm``'s log-probabilities of the twin's greedy completions, teacher-forced, position by
+    position: rounding activations to e4m3 turns the last-ulp differences between two float32
+    implementations of attention and norms (1e-6 here) into an occasional different e4m3 value,
+    so whole greedy runs may part. Each position within ``max_gap`` (a flipped e4m3 value moves a
+    dense model's log-probability by ~0.1 at most here), a share ``close`` of them within 1e-4,
+    ``agree`` with the same argmax."""
+    sequences = [p + c for p, c in zip(prompts, hf_generate(twin, prompts))]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    same = total = within = 0
+    for sequence, output in zip(sequences, outputs):
+        with torch.no_grad():
+            reference = torch.log_softmax(twin(torch.tensor([sequence])).logits[0, :-1].float(), dim=-1)
+        ours = torch.tensor([lp[t].logprob for lp, t in zip(output.prompt_logprobs[1:], sequence[1:])])
+        gap = (ours - reference.gather(1, torch.tensor(sequence[1:])[:, None]).squeeze(1)).abs()
+        assert gap.max() < max_gap, gap.max()
+        within += int((gap < 1e-4).sum())
+        top = [
+            max(lp, key=lambda t: lp[t].logprob if lp[t].rank == 1 else float("-inf"))
+            for lp in output.prompt_logprobs[1:]
+        ]
+        same += sum(a == b for a, b in zip(top, reference.argmax(dim=-1).tolist()))
+        total += len(top)
+    assert within >= close * total and same >= agree * total, (within, same, total)
+
+
 def write_fp8_tensor_checkpoint(source: str, path: str, scale_shape: tuple = ()) -> dict:
     """``source``'s checkpoint as AutoFP8 writes a dynamic one: each decoder linear's weight in
     e4m3 with one float32 ``weight_scale`` for the whole tensor (shape ``scale_shape``), the LM
