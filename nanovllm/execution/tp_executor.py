@@ -74,6 +74,7 @@ class TPExecutor:
         self.channel: Channel | None = None
         self.store = None
         self.runner: ModelRunner | None = None
+        self.owns_group = False
         self.broken = False
         self.num_calls = 0
         try:
@@ -107,6 +108,7 @@ class TPExecutor:
                 self.wakes.append(wake)
                 started.append(ready)
             self._wait_started(started)
+            self.owns_group = True  # rank 0 joins the process group as its runner starts
         self.runner = ModelRunner(config, 0, self.store)
 
     def _wait_started(self, started: list) -> None:
@@ -143,8 +145,9 @@ class TPExecutor:
         if self.runner is not None:
             self.runner.close()
             self.runner = None
-        if self.size > 1 and dist.is_initialized():  # rank 0 failed to start after joining the group
+        if self.owns_group and dist.is_initialized():  # rank 0 failed to start after joining it
             dist.destroy_process_group()
+        self.owns_group = False
         if self.channel is not None:
             self.channel.close(unlink=True)
             self.channel = None
