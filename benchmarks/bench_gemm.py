@@ -1,7 +1,7 @@
 """The decoder's four projections at a step's row counts: cuBLAS, cuBLASLt and a plain Triton GEMM.
 
     PYTHONPATH=. python3 benchmarks/bench_gemm.py [--shape qwen3-8b] [--rows 256,1024] [--triton]
-                                                   [--fused-tiles]
+                                                   [--fused-tiles] [--splitk]
 
 Each case is ``F.linear(x, w)`` (``w``: ``[out, in]``, as the checkpoint stores it) for qkv,
 o, gate_up and down, timed as a CUDA-graph replay over ``--layers`` layers' weights, so no
@@ -12,6 +12,12 @@ projection, and the four together per row of a layer.
 asks whether a Triton kernel, which could take the RMSNorm before it or the residual add
 after it, can match cuBLAS at these sizes at all. It is a probe, not the engine's code; its
 output is checked before it is timed.
+
+``--splitk`` (for small batches: ``--rows 1,2,4,8,16``) also times a split-K Triton GEMM with
+one 16-row tile of rows (each program reads a slice of the weight's rows over a share of K, the
+shares' fp32 partial sums then added by a second kernel): it asks whether reading the weight is
+where cuBLAS loses time at batch 1 to 16, where a decode step is bound by reading the weights.
+Also a probe; each figure comes with its share of the copy rate on the weight's bytes.
 
 A second row for gate_up, "gate_up+silu", sets cuBLAS (and cuBLASLt) followed by the engine's
 SwiGLU kernel against the engine's GEMM with SwiGLU in its epilogue (``gate_up_silu``, gate
@@ -100,6 +106,67 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tup
     return out
 
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT): K is cut into SPLIT shares
+SPLITK_TILES = [
+    (16, bn, bk, warps, stages, split)
+    for bn, bk, warps, stages, split in [
+        (32, 256, 4, 4, 1), (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (128, 128, 8, 3, 1),
+        (32, 256, 4, 4, 2), (64, 128, 4, 4, 2), (64, 256, 4, 3, 2), (128, 128, 8, 3, 2),
+        (32, 256, 4, 4, 4), (64, 128, 4, 4, 4), (64, 256, 8, 3, 4), (32, 512, 4, 3, 4),
+        (32, 128, 4, 4, 8), (64, 128, 4, 4, 8), (32, 256, 4, 3, 8),
+    ]
+]  # fmt: skip
+
+
+@triton.jit
+def _splitk_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, K_SHARE,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+):  # fmt: skip
+    # program (n tile, k share): x[:, share] @ w[n tile, share].T; M <= BLOCK_M; K_SHARE a
+    # multiple of BLOCK_K. PARTIAL: fp32 sums into out[share] ([SPLIT, M, N]), else the result.
+    pid_n, share = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = share * K_SHARE + tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + offs_m[:, None] * K + offs_k[None, :]
+    w_tile = w_ptr + offs_n[:, None] * K + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K_SHARE, BLOCK_K):
+        x = tl.load(x_tile, mask=offs_m[:, None] < M, other=0.0)
+        w = tl.load(w_tile, mask=offs_n[:, None] < N, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out = out_ptr + share * M * N + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(out, acc if PARTIAL else acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_shares_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for share in range(SPLIT):
+        acc += tl.load(part_ptr + share * numel + offs, mask=offs < numel, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < numel)
+
+
+def splitk_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple) -> torch.Tensor:
+    (M, K), N = x.shape, out.shape[1]
+    bm, bn, bk, warps, stages, split = tile
+    if M > bm or K % (split * bk):
+        raise RuntimeError(f"{M} rows, K {K}: no tile {tile}")
+    target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    _splitk_kernel[(triton.cdiv(N, bn), split)](
+        x, w, target, M, N, K, K // split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    if split > 1:
+        _sum_shares_kernel[(triton.cdiv(M * N, 1024),)](target, out, M * N, SPLIT=split, BLOCK=1024)
+    return out
+
+
 def projections(shape: str) -> dict[str, tuple[int, int]]:
     """(in, out) features of each projection."""
     c = SHAPES[shape]
@@ -153,7 +220,8 @@ def time_triton(xs, ws, rep_ms: int, linear=triton_linear, tiles=TILES) -> tuple
     its tile."""
     outs = [torch.empty(x.shape[0], ws[0].shape[0], dtype=x.dtype, device=x.device) for x in xs]
     expected = F.linear(xs[0], ws[0]).float()
-    tiles = [t for t in tiles if ws[0].shape[1] % t[2] == 0]
+    (rows, k), split = xs[0].shape, lambda t: t[5] if len(t) > 5 else 1  # split-K tiles: 6 entries
+    tiles = [t for t in tiles if k % (t[2] * split(t)) == 0 and (len(t) < 6 or rows <= t[0])]
     best = (float("inf"), None)
     for tile in checked_tiles(linear, xs[0], ws[0], outs[0], expected, tiles):
         calls = [partial(linear, x, w, o, tile) for x, w, o in zip(xs, ws, outs)]
@@ -181,6 +249,8 @@ def main() -> None:
     parser.add_argument("--libraries", default="cublas,cublaslt")
     parser.add_argument("--triton", action="store_true", help="also time a plain Triton GEMM")
     parser.add_argument("--fused-tiles", action="store_true", help="sweep gate_up_silu's tiles")
+    parser.add_argument("--splitk", action="store_true", help="also time a split-K GEMM (rows <= 16)")
+    parser.add_argument("--copy-gbps", type=float, default=4300.0, help="the GPU's copy rate, GB/s")
     parser.add_argument("--rep-ms", type=int, default=100)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -188,6 +258,7 @@ def main() -> None:
     torch.manual_seed(0)
     libraries = args.libraries.split(",")
     kernels = [("triton", triton_linear, TILES)] if args.triton else []
+    kernels += [("splitk", splitk_linear, SPLITK_TILES)] if args.splitk else []
     dims = projections(args.shape)
     ws = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(args.layers)]
           for name, (k, n) in dims.items()}  # fmt: skip
@@ -200,14 +271,17 @@ def main() -> None:
             flop = 2 * rows * k * n
             flops += flop
             cells = []
+            read = 2 * k * n / args.copy_gbps / 1e3  # µs to read the weight at the copy rate
             for library in libraries:
                 us = time_library(library, xs, ws[name], args.rep_ms)
                 totals[library] = totals.get(library, 0.0) + us
-                cells.append(f"{library} {us:8.1f} us {flop / us / 1e6:4.0f} TFLOP/s")
+                cells.append(f"{library} {us:8.1f} us {flop / us / 1e6:4.0f} TFLOP/s {read / us:4.0%} copy")
             for kind, linear, tiles in kernels:
                 us, tile = time_triton(xs, ws[name], args.rep_ms, linear=linear, tiles=tiles)
                 totals[kind] = totals.get(kind, 0.0) + us
-                cells.append(f"{kind} {us:8.1f} us {flop / us / 1e6:4.0f} TFLOP/s {tile}")
+                cells.append(
+                    f"{kind} {us:8.1f} us {flop / us / 1e6:4.0f} TFLOP/s {read / us:4.0%} copy {tile}"
+                )
             print(f"rows {rows:6d} {name:8s} " + " | ".join(cells), flush=True)
             if name == "gate_up":
                 cells = []
