@@ -29,6 +29,12 @@ def _quantize_rows(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weight.view(loaded.shape), scale.view(loaded.shape[:-1])
 
 
+def _check_dims(loaded: torch.Tensor, expert: int | None) -> None:
+    """One expert's tensor is 2-d, every expert's at once (``expert`` None) 3-d."""
+    if loaded.dim() != (3 if expert is None else 2):
+        raise ValueError(f"has shape {tuple(loaded.shape)}, expected {3 if expert is None else 2} dimensions")
+
+
 def _block_scales_per_row(scale_inv: torch.Tensor, rows: int) -> torch.Tensor:
     """``[..., ceil(rows / 128), groups]`` block scales as ``[..., rows, groups]`` (float32)."""
     return scale_inv.float().repeat_interleave(GROUP, dim=-2)[..., :rows, :]
@@ -115,10 +121,7 @@ class FusedMoE(nn.Module):
         go where the model-dtype weight's rows would. A loader's dry run (a meta ``param``) writes
         no scale either."""
         expert, half = shard_id
-        if loaded.dim() != (3 if expert is None else 2):
-            raise ValueError(
-                f"has shape {tuple(loaded.shape)}, expected {3 if expert is None else 2} dimensions"
-            )
+        _check_dims(loaded, expert)
         # quantized where the parameter lives (on the GPU, not the host's cores), as linear layers do
         weight, scale = _quantize_rows(loaded if param.is_meta else loaded.to(param.device))
         scales = self.w2_scale if half is None else self.w13_scale
@@ -135,10 +138,7 @@ class FusedMoE(nn.Module):
         tensors); a model-dtype one (a weight update) quantized by 128 x 128 blocks as the
         checkpoint would hold it, its scales written with it."""
         expert, half = shard_id
-        if loaded.dim() != (3 if expert is None else 2):
-            raise ValueError(
-                f"has shape {tuple(loaded.shape)}, expected {3 if expert is None else 2} dimensions"
-            )
+        _check_dims(loaded, expert)
         if loaded.dtype != FP8:
             # stacked gate_up holds gate's rows then up's, each blocked on its own in a checkpoint
             parts = 2 if expert is None and half is not None else 1
