@@ -115,10 +115,11 @@ class ModelRunner:
         self.startup_seconds: dict[str, float] = {}
         """Where this rank's start-up went: "device" (joining the process group, the CUDA
         context), "load" (building the model and reading its weights), "compile_setup"
-        (wrapping the element-wise ops for ``torch.compile``, which imports it),
-        "profile" (a full-budget prefill sizing the KV cache), "kv_cache" (allocating it),
-        "warm_up" (the eager step shapes, compiling kernels) and "graphs" (capturing decode
-        graphs); phases that do not run (CPU, ``enforce_eager``) are absent."""
+        (wrapping the element-wise ops for ``torch.compile``, which imports it), "buffers" (the
+        step inputs' pinned and device buffers, the sampler's), "profile" (a full-budget prefill
+        sizing the KV cache), "kv_cache" (allocating it), "warm_up" (the eager step shapes,
+        compiling kernels) and "graphs" (capturing decode graphs); phases that do not run (CPU,
+        ``enforce_eager``) are absent."""
         self.tp = TPGroup(rank, config.tensor_parallel_size)
         with self._phase("device"):
             if self.tp.size > 1:
@@ -138,15 +139,16 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             with self._phase("compile_setup"):
                 compile_elementwise_ops(self.model)  # lazily: compiled in the profile and the warm-up
-        # the engine's seed makes unseeded sampling repeat, engine after engine (as vLLM's)
-        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
-        self.inputs = StepInputBuilder(
-            config, self.device, self.model.uses_rope_lengths, samples=self.tp.rank == 0
-        )
+        with self._phase("buffers"):
+            # the engine's seed makes unseeded sampling repeat, engine after engine (as vLLM's)
+            self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+            self.inputs = StepInputBuilder(
+                config, self.device, self.model.uses_rope_lengths, samples=self.tp.rank == 0
+            )
+            self.bitmasks = BitmaskUpload(self.device, config.max_num_seqs, config.hf_config.vocab_size)
         self.last_sampled: torch.Tensor | None = None
         self.unsampled: PendingOutput | None = None
         """A launched step still waiting for its token bitmask."""
-        self.bitmasks = BitmaskUpload(self.device, config.max_num_seqs, config.hf_config.vocab_size)
         self.graphs: DecodeGraphs | None = None
         self.kv_cache: KVCache | None = None
         with self._phase("profile"):

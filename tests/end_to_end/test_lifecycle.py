@@ -77,10 +77,10 @@ def test_example_runs_and_leaves_no_temporary_folder(tmp_path):
 @pytest.mark.parametrize(
     "device, phases",
     [
-        ("cpu", ["device", "load", "profile", "kv_cache"]),
+        ("cpu", ["device", "load", "buffers", "profile", "kv_cache"]),
         pytest.param(
             "cuda",
-            ["device", "load", "compile_setup", "profile", "kv_cache", "warm_up", "graphs"],
+            ["device", "load", "compile_setup", "buffers", "profile", "kv_cache", "warm_up", "graphs"],
             marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
         ),
     ],
