@@ -14,6 +14,11 @@ For each projection of the shape (qkv, o, gate_up, down), timed as a CUDA-graph 
 - ``block cublas``: the same product through ``torch._scaled_mm``'s 1x128 / 128x128 block scales,
   where this torch and cuBLAS have them.
 
+- ``rowwise triton``: the per-channel product through the Triton GEMM (``fp8_gemm`` with its
+  default tiles), as the engine runs per-channel layers below 33 rows; ``--sweep`` also tries
+  ``SMALL_M_TILES`` there (rows <= 32) and prints the best tile per projection, to tune
+  ``fp8_gemm_config`` for decode-sized batches.
+
 Every kernel's output is checked against the plain-torch reference before it is timed. Prints
 microseconds per projection, the four together, and each column's speed-up over bf16.
 """
@@ -58,6 +63,35 @@ def block_cublas(x, w, w_scale_inv, x_q=None):
     )
 
 
+# fp8_gemm tiles tried by --sweep at <= 32 rows
+SMALL_M_TILES = [
+    dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=warps, num_stages=stages)
+    for bn, bk, warps, stages in [
+        (32, 128, 4, 5), (32, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 4), (128, 128, 8, 3),
+        (16, 128, 4, 6), (32, 64, 4, 6), (64, 64, 4, 6),
+    ]
+]  # fmt: skip
+
+
+def rowwise_triton(x, w, w_scale, x_q, config=None):
+    q, s = x_q
+    return fp8_gemm(q, s, w, w_scale, torch.bfloat16, config)
+
+
+def best_small_m_tile(layers, rep_ms: int, expected: torch.Tensor) -> tuple[float, dict | None]:
+    """The fastest of ``SMALL_M_TILES`` for ``rowwise_triton`` over ``layers`` (checked first)."""
+    best = (float("inf"), None)
+    for tile in SMALL_M_TILES:
+        fns = [partial(rowwise_triton, x, *c, q, tile) for x, (_, c, _), q, _ in layers]
+        try:
+            check("rowwise triton", fns[0](), expected)
+        except (RuntimeError, AssertionError) as e:  # a tile that does not fit here
+            print(f"  tile {tile}: {str(e).splitlines()[0][:120]}")
+            continue
+        best = min(best, (graph_us(fns, rep_ms), tile), key=lambda t: t[0])
+    return best
+
+
 def check(name: str, got: torch.Tensor, expected: torch.Tensor) -> None:
     err = (got.float() - expected.float()).abs().max().item() / expected.float().abs().max().item()
     if err > 2e-2:
@@ -71,6 +105,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64,256,1024,4096,16384")
     parser.add_argument("--layers", type=int, default=6, help="layers' weights per graph")
     parser.add_argument("--rep-ms", type=int, default=60)
+    parser.add_argument("--sweep", action="store_true", help="try SMALL_M_TILES at <= 32 rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -83,7 +118,7 @@ def main() -> None:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
             per_layer.append((w, quantize_weight_per_channel_ref(w), quantize_weight_blockwise_ref(w)))
         weights[name] = per_layer
-    columns = ["bf16", "rowwise", "rowwise mm", "block", "block mm", "block cublas"]
+    columns = ["bf16", "rowwise", "rowwise mm", "rowwise triton", "block", "block mm", "block cublas"]
     print(f"{torch.cuda.get_device_name()}, {args.shape}, {args.layers} layers' weights per graph, us")
     print(f"{'rows':>6} {'proj':>8} " + " ".join(f"{c:>13}" for c in columns))
     for rows in map(int, args.rows.split(",")):
@@ -100,6 +135,7 @@ def main() -> None:
                 "bf16": [partial(F.linear, x, w) for x, (w, _, _), _, _ in layers],
                 "rowwise": [partial(rowwise, x, *c) for x, (_, c, _), _, _ in layers],
                 "rowwise mm": [partial(rowwise, x, *c, True, q) for x, (_, c, _), q, _ in layers],
+                "rowwise triton": [partial(rowwise_triton, x, *c, q) for x, (_, c, _), q, _ in layers],
                 "block": [partial(block, x, *b) for x, (_, _, b), _, _ in layers],
                 "block mm": [partial(block, x, *b, True, g) for x, (_, _, b), _, g in layers],
                 "block cublas": [partial(block_cublas, x, *b, g) for x, (_, _, b), _, g in layers],
@@ -109,6 +145,8 @@ def main() -> None:
                 try:
                     if column == "block cublas":
                         check(column, fns[0](), fp8_block_gemm_ref(*per_group[0], wb, sb, torch.bfloat16))
+                    if column == "rowwise triton":
+                        check(column, fns[0](), fp8_channel_gemm_ref(*per_row[0], wc, sc, torch.bfloat16))
                     times[column] = graph_us(fns, args.rep_ms)
                 except (RuntimeError, AssertionError, NotImplementedError) as e:
                     times[column] = float("nan")
@@ -116,6 +154,10 @@ def main() -> None:
                         print(f"  {column}: {str(e).splitlines()[0][:150]}")
                 totals[column] += times[column]
             print(f"{rows:>6} {name:>8} " + " ".join(f"{times[c]:>13.1f}" for c in columns))
+            if args.sweep and rows <= 32:
+                expected = fp8_channel_gemm_ref(*per_row[0], wc, sc, torch.bfloat16)
+                us, tile = best_small_m_tile(layers, args.rep_ms, expected)
+                print(f"{'':>6} {'':>8} best triton tile {us:.1f} us: {tile}")
         print(f"{rows:>6} {'all':>8} " + " ".join(f"{totals[c]:>13.1f}" for c in columns))
         speedups = " ".join(f"{totals['bf16'] / totals[c]:>12.2f}x" for c in columns)
         print(f"{rows:>6} {'speedup':>8} " + speedups)
