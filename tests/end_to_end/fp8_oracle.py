@@ -82,13 +82,33 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int = 12) -> li
     return outs
 
 
+def experts_on_ranks(parts: int, expert_output):
+    """Hugging Face's ``Qwen3MoeExperts.forward`` loop as nanovllm runs it on ``parts`` ranks:
+    ``expert_output(e, x, rows)`` is expert ``e``'s down projection for the tokens ``x`` through
+    its intermediate rows ``rows`` (the rank's slice); per rank HF's loop weights and sums a
+    token's expert outputs (fp32 here: with two experts, the single rounding of nanovllm's fp32
+    sum), and the ranks' sums are then added in rank order."""
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        assert top_k_index.shape[1] <= 2  # beyond two experts HF's sum rounds more often
+        final = torch.zeros_like(hidden_states)
+        for rank in range(parts):
+            partial = torch.zeros_like(hidden_states)
+            for e in top_k_index.unique().tolist():
+                top_k_pos, token_idx = torch.where(top_k_index.t() == e)
+                y = expert_output(e, hidden_states[token_idx], rank)
+                partial.index_add_(0, token_idx, y * top_k_weights[token_idx, top_k_pos, None])
+            final = final + partial
+        return final
+
+    return forward
+
+
 def fp8_experts_forward(experts: nn.Module, parts: int):
-    """Hugging Face's ``Qwen3MoeExperts.forward`` as nanovllm's FP8 experts compute it on ``parts``
-    ranks: each expert's gate / up / down rows in e4m3 with a scale per whole row (down's rows then
-    split across ranks), each projection's input rounded to e4m3 per row (down's: each rank's
-    slice of ``silu(gate) * up``), each product exact (float64), rounded to the dtype. Per rank,
-    HF's loop weights and sums a token's expert outputs (fp32 here: with two experts, the single
-    rounding of nanovllm's fp32 sum); the ranks' sums are then added in rank order."""
+    """:func:`experts_on_ranks` as nanovllm's FP8 experts (``quantization="fp8"``) compute: each
+    expert's gate / up / down rows in e4m3 with a scale per whole row (down's rows then split
+    across ranks), each projection's input rounded to e4m3 per row (down's: each rank's slice of
+    ``silu(gate) * up``), each product exact (float64), rounded to the dtype."""
     gate_up, down = experts.gate_up_proj.data, experts.down_proj.data
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
@@ -96,26 +116,16 @@ def fp8_experts_forward(experts: nn.Module, parts: int):
     gate_up_fp8, gate_up_scale = gate_up_fp8.view(gate_up.shape), gate_up_scale.view(num_experts, two_inter)
     down_fp8, down_scale = quantize_weight_per_channel_ref(down.reshape(-1, inter))
     down_fp8, down_scale = down_fp8.view(down.shape), down_scale.view(num_experts, hidden)
+    size = inter // parts
 
-    def forward(hidden_states, top_k_index, top_k_weights):
-        assert top_k_index.shape[1] <= 2  # beyond two experts HF's sum rounds more often
-        final = torch.zeros_like(hidden_states)
-        size = inter // parts
-        for rank in range(parts):
-            gate_rows = slice(rank * size, (rank + 1) * size)
-            up_rows = slice(inter + rank * size, inter + (rank + 1) * size)
-            partial = torch.zeros_like(hidden_states)
-            for e in top_k_index.unique().tolist():
-                top_k_pos, token_idx = torch.where(top_k_index.t() == e)
-                x = hidden_states[token_idx]
-                gate = exact_fp8_product(x, gate_up_fp8[e, gate_rows], gate_up_scale[e, gate_rows])
-                up = exact_fp8_product(x, gate_up_fp8[e, up_rows], gate_up_scale[e, up_rows])
-                y = exact_fp8_product(experts.act_fn(gate) * up, down_fp8[e][:, gate_rows], down_scale[e])
-                partial.index_add_(0, token_idx, y * top_k_weights[token_idx, top_k_pos, None])
-            final = final + partial
-        return final
+    def expert_output(e: int, x: torch.Tensor, rank: int) -> torch.Tensor:
+        gate_rows = slice(rank * size, (rank + 1) * size)
+        up_rows = slice(inter + rank * size, inter + (rank + 1) * size)
+        gate = exact_fp8_product(x, gate_up_fp8[e, gate_rows], gate_up_scale[e, gate_rows])
+        up = exact_fp8_product(x, gate_up_fp8[e, up_rows], gate_up_scale[e, up_rows])
+        return exact_fp8_product(experts.act_fn(gate) * up, down_fp8[e][:, gate_rows], down_scale[e])
 
-    return forward
+    return experts_on_ranks(parts, expert_output)
 
 
 def hf_fp8_moe_model(model_or_dir, tp: int = 1):
@@ -191,38 +201,25 @@ def dequantize_blocks(weight_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torc
 
 
 def block_experts_forward(experts: nn.Module, prefix: str, quantized: dict, parts: int):
-    """Hugging Face's ``Qwen3MoeExperts.forward`` as nanovllm's experts compute an FP8 checkpoint's
-    (``quantized``: :func:`write_fp8_block_checkpoint`'s, ``prefix``: the layer's ``...mlp``) on
-    ``parts`` ranks: each projection's input rounded per token and 128 features (down's: each
-    rank's slice), the product with the dequantized weight in float64, rounded; per rank the
-    token's weighted expert outputs summed (fp32: with two experts nanovllm's one rounding), the
-    ranks' sums added in rank order."""
+    """:func:`experts_on_ranks` as nanovllm's experts compute an FP8 block checkpoint's
+    (``quantized``: :func:`write_fp8_block_checkpoint`'s, ``prefix``: the layer's ``...mlp``):
+    each projection's input rounded per token and 128 features (down's: each rank's slice), the
+    product with the dequantized weight in float64, rounded."""
     num_experts = experts.gate_up_proj.shape[0]
 
     def weights(name: str) -> list[torch.Tensor]:
-        return [
-            dequantize_blocks(*quantized[f"{prefix}.experts.{e}.{name}.weight"]) for e in range(num_experts)
-        ]
+        names = [f"{prefix}.experts.{e}.{name}.weight" for e in range(num_experts)]
+        return [dequantize_blocks(*quantized[n]) for n in names]
 
     gate, up, down = weights("gate_proj"), weights("up_proj"), weights("down_proj")
     size = gate[0].shape[0] // parts
 
-    def forward(hidden_states, top_k_index, top_k_weights):
-        assert top_k_index.shape[1] <= 2  # beyond two experts HF's sum rounds more often
-        final = torch.zeros_like(hidden_states)
-        for rank in range(parts):
-            rows = slice(rank * size, (rank + 1) * size)
-            partial = torch.zeros_like(hidden_states)
-            for e in top_k_index.unique().tolist():
-                top_k_pos, token_idx = torch.where(top_k_index.t() == e)
-                x = hidden_states[token_idx]
-                h = experts.act_fn(block_product(x, gate[e][rows])) * block_product(x, up[e][rows])
-                y = block_product(h, down[e][:, rows])
-                partial.index_add_(0, token_idx, y * top_k_weights[token_idx, top_k_pos, None])
-            final = final + partial
-        return final
+    def expert_output(e: int, x: torch.Tensor, rank: int) -> torch.Tensor:
+        rows = slice(rank * size, (rank + 1) * size)
+        h = experts.act_fn(block_product(x, gate[e][rows])) * block_product(x, up[e][rows])
+        return block_product(h, down[e][:, rows])
 
-    return forward
+    return experts_on_ranks(parts, expert_output)
 
 
 def block_checkpoint_twin(source: str, quantized: dict, parts: int):
