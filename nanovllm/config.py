@@ -373,12 +373,6 @@ class Config:
                 f"moe_intermediate_size={expert_size} to be a multiple of 128; with "
                 f"tensor_parallel_size={self.tensor_parallel_size} it is {share}"
             )
-        if self.linear_weights == "fp8_tensor" and experts:
-            # quantization="fp8" quantizes experts as they load, block checkpoints' load as stored
-            raise ValueError(
-                "FP8 checkpoints with one scale per tensor are not implemented for mixture-of-experts "
-                "models: load the bf16/fp16 checkpoint with quantization='fp8'"
-            )
 
     def _resolve_kv_cache_dtype(self) -> str:
         """``dtype`` for "auto", else "fp8" (checked against the backend and the GPU)."""

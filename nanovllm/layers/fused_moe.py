@@ -6,11 +6,13 @@ with one float32 scale per expert and output row, each row scaled over its whole
 the tensor-parallel split (every rank agrees on a row's scale; ``down_proj``'s rows are split
 along their length, so a rank keeps its slice of the whole row's e4m3 values and its scale).
 
-An FP8 checkpoint's experts (``weight_block_size: [128, 128]``, as Qwen3-30B-A3B-FP8) load as
-stored: e4m3 weights, and each 128 x 128 block's ``weight_scale_inv`` given to the block's rows,
-so that scales are ``[experts, rows, groups of 128 input features]`` and split and route with
-their rows (``down_proj``'s groups split across ranks with its columns: each rank's share of the
-intermediate size must then be a multiple of 128)."""
+An FP8 checkpoint's experts load as stored: with one scale per tensor (AutoFP8's dynamic
+format) the e4m3 weights, each tensor's scale given to its rows (the ``quantization="fp8"``
+layout); with ``weight_block_size: [128, 128]`` (as Qwen3-30B-A3B-FP8) the e4m3 weights, each
+128 x 128 block's ``weight_scale_inv`` given to the block's rows, so that scales are ``[experts,
+rows, groups of 128 input features]`` and split and route with their rows (``down_proj``'s
+groups split across ranks with its columns: each rank's share of the intermediate size must
+then be a multiple of 128)."""
 
 import torch
 import triton
@@ -59,9 +61,11 @@ class FusedMoE(nn.Module):
     ``gate_proj`` / ``up_proj`` / ``down_proj`` (or transformers' stacked ``gate_up_proj`` /
     ``down_proj``). ``quant="fp8"``: both in e4m3, with ``w13_scale [experts, 2 * intermediate /
     tp]`` and ``w2_scale [experts, hidden]`` (float32), written by the weights' loader;
-    ``"fp8_block"``: both in e4m3 as an FP8 checkpoint stores them, ``w13_scale [experts,
-    2 * intermediate / tp, ceil(hidden / 128)]`` and ``w2_scale [experts, hidden,
-    intermediate / tp / 128]`` from its ``weight_scale_inv`` tensors; ``None``: the model dtype."""
+    ``"fp8_tensor"``: the same layout, an FP8 checkpoint's e4m3 weights as stored and each
+    tensor's ``weight_scale`` given to its rows; ``"fp8_block"``: both in e4m3 as an FP8
+    checkpoint stores them, ``w13_scale [experts, 2 * intermediate / tp, ceil(hidden / 128)]``
+    and ``w2_scale [experts, hidden, intermediate / tp / 128]`` from its ``weight_scale_inv``
+    tensors; ``None``: the model dtype."""
 
     def __init__(
         self,
@@ -72,9 +76,10 @@ class FusedMoE(nn.Module):
         quant: str | None = None,
     ):
         super().__init__()
-        if quant not in (None, "fp8", "fp8_block"):
+        if quant not in (None, "fp8", "fp8_tensor", "fp8_block"):
             raise ValueError(
-                f"mixture-of-experts weights can be held as None, 'fp8' or 'fp8_block', not {quant!r}"
+                "mixture-of-experts weights can be held as None, 'fp8', 'fp8_tensor' or 'fp8_block', "
+                f"not {quant!r}"
             )
         self.tp = tp
         inter = divide(intermediate_size, tp.size)
@@ -85,14 +90,18 @@ class FusedMoE(nn.Module):
         w2 = torch.empty(num_experts, hidden_size, inter, dtype=dtype)
         self.w13 = nn.Parameter(w13, requires_grad=False)
         self.w2 = nn.Parameter(w2, requires_grad=False)
-        if quant == "fp8":
+        if quant in ("fp8", "fp8_tensor"):
             scale13 = torch.ones(num_experts, 2 * inter, dtype=torch.float32)
             scale2 = torch.ones(num_experts, hidden_size, dtype=torch.float32)
             self.w13_scale = nn.Parameter(scale13, requires_grad=False)
             self.w2_scale = nn.Parameter(scale2, requires_grad=False)
+        if quant == "fp8":
             # written with the weights: no checkpoint tensor of their own
             self.w13_scale.derived = self.w2_scale.derived = True
             self.w13.weight_loader = self.w2.weight_loader = self.fp8_weight_loader
+        elif quant == "fp8_tensor":  # an FP8 checkpoint's per-tensor scales, kept per row
+            self.w13.weight_loader = self.w2.weight_loader = self.fp8_tensor_weight_loader
+            self.w13_scale.weight_loader = self.w2_scale.weight_loader = self.fp8_tensor_scale_loader
         elif quant == "fp8_block":
             groups13, groups2 = triton.cdiv(hidden_size, GROUP), triton.cdiv(inter, GROUP)
             scale13 = torch.ones(num_experts, 2 * inter, groups13, dtype=torch.float32)
@@ -130,6 +139,28 @@ class FusedMoE(nn.Module):
         self._route(param.data, weight, shard_id, split_columns=True)
         # a scale belongs to a whole row: w13's are split with their rows, w2's not at all
         self._route(scales.data, scale, shard_id, split_columns=False)
+
+    def fp8_tensor_weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int | None, int | None]
+    ) -> None:
+        """An FP8 checkpoint's e4m3 expert weight as stored (its scale comes as its own tensor); a
+        model-dtype one (a weight update) quantized per row as ``quantization="fp8"`` does."""
+        if loaded.dtype != FP8:
+            self.fp8_weight_loader(param, loaded, shard_id)
+            return
+        _check_dims(loaded, shard_id[0])
+        self._route(param.data, loaded, shard_id, split_columns=True)
+
+    def fp8_tensor_scale_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int | None, int | None]
+    ) -> None:
+        """A checkpoint's one ``weight_scale`` for one expert's gate, up or down projection,
+        given to each of its rows."""
+        expert, half = shard_id
+        if expert is None or loaded.numel() != 1:
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected one scale for one expert's tensor")
+        rows = self.w2.shape[1] if half is None else self.w13.shape[1] // 2 * self.tp.size
+        self._route(param.data, loaded.float().reshape(1).expand(rows), shard_id, split_columns=False)
 
     def fp8_block_weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int | None, int | None]

@@ -212,10 +212,11 @@ class DecoderForCausalLM(nn.Module):
             }
             for e in range(num_experts):
                 prefix = f"{block}.experts.{e}."
-                # an FP8 checkpoint's block scales, before the weights whose names theirs contain
-                experts[f"{prefix}{gate}.weight_scale_inv"] = (f"{block}.experts.w13_scale", (e, 0))
-                experts[f"{prefix}{up}.weight_scale_inv"] = (f"{block}.experts.w13_scale", (e, 1))
-                experts[f"{prefix}{down}.weight_scale_inv"] = (f"{block}.experts.w2_scale", (e, None))
+                # an FP8 checkpoint's block or tensor scales, before the names theirs contain
+                for suffix in ("weight_scale_inv", "weight_scale"):
+                    experts[f"{prefix}{gate}.{suffix}"] = (f"{block}.experts.w13_scale", (e, 0))
+                    experts[f"{prefix}{up}.{suffix}"] = (f"{block}.experts.w13_scale", (e, 1))
+                    experts[f"{prefix}{down}.{suffix}"] = (f"{block}.experts.w2_scale", (e, None))
                 experts[f"{prefix}{gate}.weight"] = (f"{block}.experts.w13", (e, 0))
                 experts[f"{prefix}{up}.weight"] = (f"{block}.experts.w13", (e, 1))
                 experts[f"{prefix}{down}.weight"] = (f"{block}.experts.w2", (e, None))

@@ -222,19 +222,44 @@ def block_experts_forward(experts: nn.Module, prefix: str, quantized: dict, part
     return experts_on_ranks(parts, expert_output)
 
 
-def block_checkpoint_twin(source: str, quantized: dict, parts: int):
+def tensor_experts_forward(experts: nn.Module, prefix: str, quantized: dict, parts: int):
+    """:func:`experts_on_ranks` as nanovllm's experts compute a per-tensor FP8 checkpoint's
+    (``quantized``: :func:`write_fp8_tensor_checkpoint`'s): each expert tensor's e4m3 values with
+    its one scale, the inputs rounded per row (down's: each rank's slice), each product exact."""
+    num_experts = experts.gate_up_proj.shape[0]
+
+    def weights(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [quantized[f"{prefix}.experts.{e}.{name}.weight"] for e in range(num_experts)]
+
+    gate, up, down = weights("gate_proj"), weights("up_proj"), weights("down_proj")
+    size = gate[0][0].shape[0] // parts
+
+    def expert_output(e: int, x: torch.Tensor, rank: int) -> torch.Tensor:
+        rows = slice(rank * size, (rank + 1) * size)
+        (gate_fp8, gate_scale), (up_fp8, up_scale), (down_fp8, down_scale) = gate[e], up[e], down[e]
+        h = experts.act_fn(exact_fp8_product(x, gate_fp8[rows], gate_scale))
+        h = h * exact_fp8_product(x, up_fp8[rows], up_scale)
+        return exact_fp8_product(h, down_fp8[:, rows], down_scale)
+
+    return experts_on_ranks(parts, expert_output)
+
+
+def checkpoint_twin(source: str, quantized: dict, parts: int, blocks: bool):
     """HF's model of ``source`` whose decoder linears and experts compute what nanovllm computes
-    from the FP8 block checkpoint written from it (``quantized``) on ``parts`` ranks."""
+    on ``parts`` ranks from the FP8 checkpoint written from it (``quantized``: by 128 x 128
+    ``blocks`` or one scale per tensor)."""
     from transformers import AutoModelForCausalLM
 
+    linear_forward = block_forward if blocks else scaled_fp8_forward
+    experts_forward = block_experts_forward if blocks else tensor_experts_forward
     twin = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     twin.generation_config.eos_token_id = None
     for name, module in twin.named_modules():
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in LINEARS:
             split = parts if name.endswith(ROW_PARALLEL) else 1
-            module.forward = block_forward(*quantized[name + ".weight"], module.bias, split)
+            module.forward = linear_forward(*quantized[name + ".weight"], module.bias, split)
         elif name.endswith("mlp.experts"):
-            module.forward = block_experts_forward(module, name.rsplit(".", 1)[0], quantized, parts)
+            module.forward = experts_forward(module, name.rsplit(".", 1)[0], quantized, parts)
     return twin
 
 
