@@ -65,47 +65,6 @@ FUSED_TILES = [
 ]
 
 
-@triton.jit
-def _gemm_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
-    # out = x @ w.T, all contiguous; K is a multiple of BLOCK_K. Programs walk GROUP_M row
-    # tiles per column tile so that neighbours share weight tiles in L2.
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    rows_in_group = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
-    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_tile = x_ptr + offs_m[:, None] * K + offs_k[None, :]
-    w_tile = w_ptr + offs_n[:, None] * K + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, K, BLOCK_K):
-        x = tl.load(x_tile, mask=offs_m[:, None] < M, other=0.0)
-        w = tl.load(w_tile, mask=offs_n[:, None] < N, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-        x_tile += BLOCK_K
-        w_tile += BLOCK_K
-    out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
-
-def triton_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple) -> torch.Tensor:
-    (M, K), N = x.shape, out.shape[1]
-    bm, bn, bk, warps, stages = tile
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _gemm_kernel[grid](
-        x, w, out, M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
-
-
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT): K is cut into SPLIT shares
 SPLITK_TILES = [
     (16, bn, bk, warps, stages, split)
@@ -119,14 +78,22 @@ SPLITK_TILES = [
 
 
 @triton.jit
-def _splitk_kernel(
+def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, K_SHARE,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PARTIAL: tl.constexpr,
 ):  # fmt: skip
-    # program (n tile, k share): x[:, share] @ w[n tile, share].T; M <= BLOCK_M; K_SHARE a
-    # multiple of BLOCK_K. PARTIAL: fp32 sums into out[share] ([SPLIT, M, N]), else the result.
-    pid_n, share = tl.program_id(0), tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
+    # out = x @ w.T, all contiguous; program (tile, share) sums K share ``share`` (K_SHARE, a
+    # multiple of BLOCK_K); PARTIAL: fp32 sums into out[share] ([SPLIT, M, N]), else the result.
+    # Programs walk GROUP_M row tiles per column tile so that neighbours share weight tiles in L2.
+    pid, share = tl.program_id(0), tl.program_id(1)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    rows_in_group = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = share * K_SHARE + tl.arange(0, BLOCK_K)
     x_tile = x_ptr + offs_m[:, None] * K + offs_k[None, :]
@@ -138,8 +105,8 @@ def _splitk_kernel(
         acc = tl.dot(x, tl.trans(w), acc)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out = out_ptr + share * M * N + offs_m[:, None] * N + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(out, acc if PARTIAL else acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -152,15 +119,15 @@ def _sum_shares_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < numel)
 
 
-def splitk_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple) -> torch.Tensor:
+def triton_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple) -> torch.Tensor:
+    """``tile``: ``TILES``' five entries, or ``SPLITK_TILES``' six (K cut into SPLIT shares,
+    their fp32 sums added by a second kernel)."""
     (M, K), N = x.shape, out.shape[1]
-    bm, bn, bk, warps, stages, split = tile
-    if M > bm or K % (split * bk):
-        raise RuntimeError(f"{M} rows, K {K}: no tile {tile}")
+    bm, bn, bk, warps, stages, split = (*tile, 1)[:6]
     target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    _splitk_kernel[(triton.cdiv(N, bn), split)](
-        x, w, target, M, N, K, K // split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=split > 1,
-        num_warps=warps, num_stages=stages,
+    _gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn), split)](
+        x, w, target, M, N, K, K // split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+        PARTIAL=split > 1, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if split > 1:
         _sum_shares_kernel[(triton.cdiv(M * N, 1024),)](target, out, M * N, SPLIT=split, BLOCK=1024)
@@ -220,8 +187,8 @@ def time_triton(xs, ws, rep_ms: int, linear=triton_linear, tiles=TILES) -> tuple
     its tile."""
     outs = [torch.empty(x.shape[0], ws[0].shape[0], dtype=x.dtype, device=x.device) for x in xs]
     expected = F.linear(xs[0], ws[0]).float()
-    (rows, k), split = xs[0].shape, lambda t: t[5] if len(t) > 5 else 1  # split-K tiles: 6 entries
-    tiles = [t for t in tiles if k % (t[2] * split(t)) == 0 and (len(t) < 6 or rows <= t[0])]
+    (rows, k), split = xs[0].shape, lambda t: (*t, 1)[5]  # split-K tiles: 6 entries
+    tiles = [t for t in tiles if k % (t[2] * split(t)) == 0 and (split(t) == 1 or rows <= t[0])]
     best = (float("inf"), None)
     for tile in checked_tiles(linear, xs[0], ws[0], outs[0], expected, tiles):
         calls = [partial(linear, x, w, o, tile) for x, w, o in zip(xs, ws, outs)]
@@ -258,7 +225,7 @@ def main() -> None:
     torch.manual_seed(0)
     libraries = args.libraries.split(",")
     kernels = [("triton", triton_linear, TILES)] if args.triton else []
-    kernels += [("splitk", splitk_linear, SPLITK_TILES)] if args.splitk else []
+    kernels += [("splitk", triton_linear, SPLITK_TILES)] if args.splitk else []
     dims = projections(args.shape)
     ws = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(args.layers)]
           for name, (k, n) in dims.items()}  # fmt: skip

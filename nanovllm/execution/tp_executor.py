@@ -74,7 +74,6 @@ class TPExecutor:
         self.channel: Channel | None = None
         self.store = None
         self.runner: ModelRunner | None = None
-        self.owns_group = False
         self.broken = False
         self.num_calls = 0
         try:
@@ -108,8 +107,13 @@ class TPExecutor:
                 self.wakes.append(wake)
                 started.append(ready)
             self._wait_started(started)
-            self.owns_group = True  # rank 0 joins the process group as its runner starts
-        self.runner = ModelRunner(config, 0, self.store)
+        try:
+            self.runner = ModelRunner(config, 0, self.store)
+        except BaseException:
+            # no group existed when this start began: one now is the one rank 0 joined
+            if self.size > 1 and dist.is_initialized():
+                dist.destroy_process_group()
+            raise
 
     def _wait_started(self, started: list) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -145,9 +149,6 @@ class TPExecutor:
         if self.runner is not None:
             self.runner.close()
             self.runner = None
-        if self.owns_group and dist.is_initialized():  # rank 0 failed to start after joining it
-            dist.destroy_process_group()
-        self.owns_group = False
         if self.channel is not None:
             self.channel.close(unlink=True)
             self.channel = None

@@ -219,24 +219,24 @@ def test_a_killed_driver_leaves_nothing_behind(tmp_path, qwen3_dir, mode):
     assert shm_entries() <= before, shm_entries() - before
 
 
+def run_script(path, source: str, timeout: float) -> subprocess.CompletedProcess:
+    """Write ``source`` (dedented) to ``path`` and run it as a script of its own."""
+    path.write_text(textwrap.dedent(source))
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    return subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
 def test_a_script_without_main_guard_fails_fast_with_the_fix(tmp_path, qwen3_dir):
-    script = tmp_path / "no_guard.py"
-    script.write_text(
-        textwrap.dedent(f"""
+    before = shm_entries()
+    start = time.monotonic()
+    source = f"""
         from nanovllm import LLM
         llm = LLM({qwen3_dir!r}, tensor_parallel_size=2, device="cpu", max_model_len=128)
         print("created")
-        """)
-    )
-    before = shm_entries()
-    start = time.monotonic()
-    res = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
+        """
+    res = run_script(tmp_path / "no_guard.py", source, timeout=120)
     assert res.returncode != 0 and "created" not in res.stdout
     assert 'if __name__ == "__main__":' in res.stderr, res.stderr[-3000:]
     assert time.monotonic() - start < 60
@@ -246,9 +246,7 @@ def test_a_script_without_main_guard_fails_fast_with_the_fix(tmp_path, qwen3_dir
 def test_a_failed_start_leaves_the_process_free_for_the_next_engine(tmp_path, qwen3_dir):
     """Rank 0 fails to build its model after joining the process group (workers started): the
     group and the workers go with the error, and the next tensor-parallel engine starts."""
-    script = tmp_path / "failed_start.py"
-    script.write_text(
-        textwrap.dedent(f"""
+    source = f"""
         import torch.distributed as dist
         from nanovllm import LLM, SamplingParams
         from nanovllm.execution import model_runner
@@ -270,15 +268,8 @@ def test_a_failed_start_leaves_the_process_free_for_the_next_engine(tmp_path, qw
 
         if __name__ == "__main__":
             main()
-        """)
-    )
-    res = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
+        """
+    res = run_script(tmp_path / "failed_start.py", source, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "refused: no weights today" in res.stdout
     assert "group left: False" in res.stdout and "generated: 4" in res.stdout

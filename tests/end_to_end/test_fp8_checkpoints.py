@@ -36,7 +36,7 @@ def test_an_fp8_block_checkpoint_loads_as_stored_and_matches_its_dequantized_twi
         assert_close_to_twin(twin, prompts, llm)
 
 
-MOE_BLOCK_MODEL = dict(
+MOE_MODEL = dict(
     BLOCK_MODEL,
     moe_intermediate_size=256,  # two 128-row blocks per gate / up; one per rank at TP 2
     num_experts=4,
@@ -49,7 +49,7 @@ MOE_BLOCK_MODEL = dict(
 
 
 def moe_checkpoint(path, seed: int) -> str:
-    return make_random_checkpoint(str(path), "Qwen3MoeForCausalLM", seed=seed, **MOE_BLOCK_MODEL)
+    return make_random_checkpoint(str(path), "Qwen3MoeForCausalLM", seed=seed, **MOE_MODEL)
 
 
 def expert_layout(model) -> list[tuple]:
@@ -65,15 +65,18 @@ def expert_layout(model) -> list[tuple]:
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_an_fp8_block_checkpoint_of_a_moe_model_loads_as_stored_and_matches_its_twin(tmp_path, prompts, tp):
-    source = make_random_checkpoint(
-        str(tmp_path / "source"), "Qwen3MoeForCausalLM", seed=12, **MOE_BLOCK_MODEL
-    )
-    quantized = write_fp8_block_checkpoint(source, str(tmp_path / "fp8"))
+@pytest.mark.parametrize("blocks", [True, False], ids=["blocks", "per-tensor"])
+def test_an_fp8_checkpoint_of_a_moe_model_loads_as_stored_and_matches_its_twin(tmp_path, prompts, tp, blocks):
+    source = moe_checkpoint(tmp_path / "source", seed=12)
+    write = write_fp8_block_checkpoint if blocks else write_fp8_tensor_checkpoint
+    quantized = write(source, str(tmp_path / "fp8"))
     assert "model.layers.2.mlp.experts.3.down_proj.weight" in quantized
-    twin = checkpoint_twin(source, quantized, tp, blocks=True)
+    twin = checkpoint_twin(source, quantized, tp, blocks)
     with LLM(str(tmp_path / "fp8"), tensor_parallel_size=tp, **OPTIONS) as llm:
-        layout = [torch.float8_e4m3fn, (4, 512 // tp, 1), (4, 128, 2 // tp), torch.float32]
+        if blocks:  # scales per row and 128 input features
+            layout = [torch.float8_e4m3fn, (4, 512 // tp, 1), (4, 128, 2 // tp), torch.float32]
+        else:  # each tensor's scale given to its rows
+            layout = [torch.float8_e4m3fn, (4, 512 // tp), (4, 128), torch.float32]
         assert llm.apply_model(expert_layout) == [layout] * tp  # the router in the model dtype
         # a flipped e4m3 value moves a MoE model further (through the router, and the expert
         # outputs are larger), and the K/V it leaves carries the difference to later positions:
@@ -92,9 +95,7 @@ def test_an_fp8_block_moe_model_takes_model_dtype_updates(tmp_path, prompts, for
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    source = make_random_checkpoint(
-        str(tmp_path / "source"), "Qwen3MoeForCausalLM", seed=12, **MOE_BLOCK_MODEL
-    )
+    source = moe_checkpoint(tmp_path / "source", seed=12)
     write_fp8_block_checkpoint(source, str(tmp_path / "fp8"))
     updated = moe_checkpoint(tmp_path / "new", seed=13)
     write_fp8_block_checkpoint(updated, str(tmp_path / "new_fp8"))
@@ -112,7 +113,7 @@ def test_an_fp8_block_moe_model_takes_model_dtype_updates(tmp_path, prompts, for
 
 
 def test_an_fp8_block_moe_checkpoint_split_off_its_blocks_is_refused(tmp_path):
-    moe = dict(MOE_BLOCK_MODEL, moe_intermediate_size=128)  # 64 rows a rank at TP 2: half a block
+    moe = dict(MOE_MODEL, moe_intermediate_size=128)  # 64 rows a rank at TP 2: half a block
     source = make_random_checkpoint(str(tmp_path / "source"), "Qwen3MoeForCausalLM", seed=12, **moe)
     write_fp8_block_checkpoint(source, str(tmp_path / "fp8"))
     with pytest.raises(ValueError, match="multiple of 128"):
@@ -173,31 +174,12 @@ def test_a_per_tensor_fp8_model_takes_model_dtype_updates(tmp_path, prompts):
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_a_per_tensor_fp8_checkpoint_of_a_moe_model_loads_as_stored_and_matches_its_twin(
-    tmp_path, prompts, tp
-):
-    source = make_random_checkpoint(
-        str(tmp_path / "source"), "Qwen3MoeForCausalLM", seed=12, **MOE_BLOCK_MODEL
-    )
-    quantized = write_fp8_tensor_checkpoint(source, str(tmp_path / "fp8"))
-    assert "model.layers.2.mlp.experts.3.down_proj.weight" in quantized
-    twin = checkpoint_twin(source, quantized, tp, blocks=False)
-    with LLM(str(tmp_path / "fp8"), tensor_parallel_size=tp, **OPTIONS) as llm:
-        layout = [torch.float8_e4m3fn, (4, 512 // tp), (4, 128), torch.float32]
-        assert llm.apply_model(expert_layout) == [layout] * tp  # per-row scales; the router as it was
-        # as for the block checkpoint of a MoE model above: flips carry further
-        assert_close_to_twin(twin, prompts, llm, max_gap=0.5, close=0.6, agree=0.9)
-
-
 def test_a_per_tensor_fp8_moe_model_takes_model_dtype_updates(tmp_path, prompts):
     """An update in the model dtype is quantized per row, as ``quantization="fp8"`` quantizes at
     load: the engine then equals one loaded from the update with ``quantization="fp8"``."""
     from safetensors.torch import load_file
 
-    source = make_random_checkpoint(
-        str(tmp_path / "source"), "Qwen3MoeForCausalLM", seed=12, **MOE_BLOCK_MODEL
-    )
+    source = moe_checkpoint(tmp_path / "source", seed=12)
     write_fp8_tensor_checkpoint(source, str(tmp_path / "fp8"))
     updated = moe_checkpoint(tmp_path / "new", seed=13)
     with LLM(updated, quantization="fp8", **OPTIONS) as reference:

@@ -8,6 +8,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from nanovllm.kernels.fp8 import FP8
 from nanovllm.kernels.rms_norm import add_rms_norm_ref, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref
 from tests.interpreter import DEVICE
+from tests.kernels.fp8_close import assert_fp8_close
 
 pytestmark = pytest.mark.gpu
 
@@ -22,18 +23,7 @@ def inputs(rows: int, hidden: int, dtype: torch.dtype, seed: int = 0):
     return x.to(DEVICE), residual.to(DEVICE), weight.to(DEVICE)
 
 
-def assert_fp8_close(got, want, dtype):
-    """Scales agree to the dtype's rounding of the largest value; each e4m3 value is the
-    reference's or, where the last bits of the sum of squares moved a normed value across a
-    rounding boundary, one e4m3 step from it."""
-    (q, scale), (q_ref, scale_ref) = got, want
-    assert q.dtype == q_ref.dtype == FP8 and q.shape == q_ref.shape and scale.shape == scale_ref.shape
-    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
-    torch.testing.assert_close(scale, scale_ref, atol=0, rtol=tol)
-    values, ref = q.float().cpu(), q_ref.float().cpu()
-    step = torch.maximum(ref.abs() / 8, torch.full_like(ref, 2.0**-9))  # e4m3: 3 mantissa bits
-    assert ((values - ref).abs() <= step).all()
-    assert (values == ref).float().mean() > 0.99
+SCALE_RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # sums of squares' last bits
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -50,7 +40,7 @@ def test_fp8_kernel_matches_reference(dtype, rows, hidden, with_residual):
     else:
         assert summed is None and summed_ref is None
     if rows:
-        assert_fp8_close((q, scale), (q_ref, scale_ref), dtype)
+        assert_fp8_close((q, scale), (q_ref, scale_ref), SCALE_RTOL[dtype])
 
 
 def test_fp8_kernel_on_strided_rows_and_bad_inputs():
@@ -59,7 +49,7 @@ def test_fp8_kernel_on_strided_rows_and_bad_inputs():
     q, scale, summed = rms_norm_fp8(x, weight, 1e-5, residual)
     q_ref, scale_ref, summed_ref = rms_norm_fp8_ref(x, weight, 1e-5, residual)
     assert torch.equal(summed, summed_ref) and summed.is_contiguous()
-    assert_fp8_close((q, scale), (q_ref, scale_ref), torch.float32)
+    assert_fp8_close((q, scale), (q_ref, scale_ref), SCALE_RTOL[torch.float32])
     with pytest.raises(ValueError, match="2-d"):
         rms_norm_fp8(x[None], weight, 1e-6)
     with pytest.raises(ValueError, match="weight"):
