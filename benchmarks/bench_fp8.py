@@ -16,8 +16,8 @@ For each projection of the shape (qkv, o, gate_up, down), timed as a CUDA-graph 
 
 - ``rowwise triton``: the per-channel product through the Triton GEMM (``fp8_gemm`` with its
   default tiles), as the engine runs per-channel layers below 33 rows; ``--sweep`` also tries
-  ``SMALL_M_TILES`` there (rows <= 32) and prints the best tile per projection, to tune
-  ``fp8_gemm_config`` for decode-sized batches.
+  ``SMALL_M_TILES`` (rows <= 32) and ``MID_M_TILES`` (33-256 rows) and prints the best tile per
+  projection, to tune ``fp8_gemm_config`` for decode-sized batches against cuBLAS.
 
 Every kernel's output is checked against the plain-torch reference before it is timed. Prints
 microseconds per projection, the four together, and each column's speed-up over bf16.
@@ -63,14 +63,28 @@ def block_cublas(x, w, w_scale_inv, x_q=None):
     )
 
 
-# fp8_gemm tiles tried by --sweep at <= 32 rows
+# fp8_gemm tiles tried by --sweep: up to 32 rows, and 33 to 256 (cuBLAS's range in the engine)
 SMALL_M_TILES = [
-    dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=warps, num_stages=stages)
-    for bn, bk, warps, stages in [
-        (32, 128, 4, 5), (32, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 4), (128, 128, 8, 3),
-        (16, 128, 4, 6), (32, 64, 4, 6), (64, 64, 4, 6),
+    dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=warps, num_stages=stages, SPLIT_K=split)
+    for bn, bk, warps, stages, split in [
+        (32, 256, 4, 4, 1), (64, 256, 4, 3, 1), (32, 128, 4, 5, 1), (32, 512, 4, 3, 1),
+        (64, 512, 4, 3, 1), (16, 256, 4, 4, 2), (32, 256, 4, 4, 2), (64, 256, 4, 3, 2),
+        (32, 512, 4, 3, 2), (128, 256, 8, 3, 2), (32, 256, 4, 4, 4), (64, 256, 4, 3, 4),
     ]
 ]  # fmt: skip
+MID_M_TILES = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages, SPLIT_K=split)
+    for bm, bn, bk, warps, stages, split in [
+        (64, 64, 256, 4, 3, 1), (64, 64, 128, 4, 4, 1), (64, 64, 256, 4, 3, 2), (64, 128, 256, 4, 3, 2),
+        (64, 64, 256, 4, 3, 4), (32, 64, 256, 4, 3, 2), (32, 128, 256, 4, 3, 2), (64, 128, 128, 4, 3, 1),
+        (128, 64, 128, 4, 4, 1), (128, 64, 256, 4, 3, 2), (128, 128, 128, 8, 3, 1),
+        (128, 128, 128, 8, 3, 2), (64, 256, 128, 8, 3, 1), (128, 256, 128, 8, 3, 1),
+    ]
+]  # fmt: skip
+
+
+def sweep_tiles(rows: int) -> list[dict]:
+    return SMALL_M_TILES if rows <= 32 else MID_M_TILES if rows <= 256 else []
 
 
 def rowwise_triton(x, w, w_scale, x_q, config=None):
@@ -78,10 +92,10 @@ def rowwise_triton(x, w, w_scale, x_q, config=None):
     return fp8_gemm(q, s, w, w_scale, torch.bfloat16, config)
 
 
-def best_small_m_tile(layers, rep_ms: int, expected: torch.Tensor) -> tuple[float, dict | None]:
-    """The fastest of ``SMALL_M_TILES`` for ``rowwise_triton`` over ``layers`` (checked first)."""
+def best_tile(tiles, layers, rep_ms: int, expected: torch.Tensor) -> tuple[float, dict | None]:
+    """The fastest of ``tiles`` for ``rowwise_triton`` over ``layers`` (each checked first)."""
     best = (float("inf"), None)
-    for tile in SMALL_M_TILES:
+    for tile in tiles:
         fns = [partial(rowwise_triton, x, *c, q, tile) for x, (_, c, _), q, _ in layers]
         try:
             check("rowwise triton", fns[0](), expected)
@@ -105,7 +119,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64,256,1024,4096,16384")
     parser.add_argument("--layers", type=int, default=6, help="layers' weights per graph")
     parser.add_argument("--rep-ms", type=int, default=60)
-    parser.add_argument("--sweep", action="store_true", help="try SMALL_M_TILES at <= 32 rows")
+    parser.add_argument("--sweep", action="store_true", help="try fp8_gemm tiles at <= 256 rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -122,7 +136,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, {args.shape}, {args.layers} layers' weights per graph, us")
     print(f"{'rows':>6} {'proj':>8} " + " ".join(f"{c:>13}" for c in columns))
     for rows in map(int, args.rows.split(",")):
-        totals = dict.fromkeys(columns, 0.0)
+        totals, best_total = dict.fromkeys(columns, 0.0), 0.0
         for name, (k, _) in dims.items():
             xs = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(args.layers)]
             per_row = [quantize_per_token_group(x, group=k) for x in xs]
@@ -154,11 +168,15 @@ def main() -> None:
                         print(f"  {column}: {str(e).splitlines()[0][:150]}")
                 totals[column] += times[column]
             print(f"{rows:>6} {name:>8} " + " ".join(f"{times[c]:>13.1f}" for c in columns))
-            if args.sweep and rows <= 32:
+            if args.sweep and sweep_tiles(rows):
                 expected = fp8_channel_gemm_ref(*per_row[0], wc, sc, torch.bfloat16)
-                us, tile = best_small_m_tile(layers, args.rep_ms, expected)
+                us, tile = best_tile(sweep_tiles(rows), layers, args.rep_ms, expected)
+                best_total += us
                 print(f"{'':>6} {'':>8} best triton tile {us:.1f} us: {tile}")
         print(f"{rows:>6} {'all':>8} " + " ".join(f"{totals[c]:>13.1f}" for c in columns))
+        if best_total:
+            mm = totals["rowwise mm"]
+            print(f"{rows:>6} {'all':>8} best triton tiles {best_total:.1f} us, rowwise mm {mm:.1f} us")
         speedups = " ".join(f"{totals['bf16'] / totals[c]:>12.2f}x" for c in columns)
         print(f"{rows:>6} {'speedup':>8} " + speedups)
 

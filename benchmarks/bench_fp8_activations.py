@@ -8,8 +8,9 @@ SwiGLU before down (gate/up interleaved, ``[rows, 2 * intermediate]`` bf16 in):
 - ``bf16``: the model-dtype SwiGLU kernel (``silu_and_mul``), the baseline;
 - ``separate``: that kernel, then the per-token quantizer (``quantize_per_token_group``);
 - ``compiled``: ``torch.compile(silu_and_mul_fp8_ref, dynamic=True)``, as the engine first ran it;
-- ``fp8 B/W``: ``silu_and_mul_fp8`` with ``block=B`` columns per step (the whole row in registers
-  where ``B`` covers it) and ``num_warps=W``; ``fp8`` its default.
+- ``fp8 B/W/C[s]``: ``silu_and_mul_fp8`` with ``block=B`` columns per step (the whole row in
+  registers where ``B`` covers it), ``num_warps=W``, ``chunks=C`` programs per row, ``s``: gate and
+  up as two strided loads (``paired=False``); ``fp8`` its default.
 
 RMSNorm after the residual add (``[rows, hidden]`` bf16 in): ``bf16`` the compiled model-dtype
 norm (as the engine runs it), ``compiled`` the compiled FP8 reference, ``fp8`` the Triton kernel.
@@ -30,7 +31,12 @@ from nanovllm.kernels.fp8 import quantize_per_token_group
 from nanovllm.kernels.rms_norm import add_rms_norm_ref, rms_norm_fp8, rms_norm_fp8_ref
 from nanovllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref
 
-FP8_TILES = [(1024, 4), (2048, 8), (4096, 8), (4096, 16), (16384, 16), (16384, 32)]
+# (block, num_warps, chunks, paired) of silu_and_mul_fp8
+FP8_TILES = [
+    (2048, 8, 1, True), (2048, 8, 1, False), (1024, 4, 1, False), (4096, 8, 1, False),
+    (16384, 32, 1, False), (1024, 4, 4, True), (1024, 4, 12, True), (1024, 4, 12, False),
+    (2048, 8, 6, False), (512, 4, 24, False), (4096, 16, 3, False),
+]  # fmt: skip
 
 
 def separate(y: torch.Tensor):
@@ -87,7 +93,9 @@ def main() -> None:
         )
         fp8_bytes = rows * (inter * 5 + 4)
         cases = [("separate", separate, {}), ("compiled", compiled_swiglu, {}), ("fp8", silu_and_mul_fp8, {})]
-        cases += [(f"fp8 {b}/{w}", silu_and_mul_fp8, dict(block=b, num_warps=w)) for b, w in FP8_TILES]
+        for b, w, c, p in FP8_TILES:
+            tiles = dict(block=b, num_warps=w, chunks=c, paired=p)
+            cases.append((f"fp8 {b}/{w}/{c}{'' if p else 's'}", silu_and_mul_fp8, tiles))
         for label, fn, tiles in cases:
             fn = partial(fn, **tiles)
             if checked(fn, (ys[0],), want):

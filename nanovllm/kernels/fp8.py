@@ -28,6 +28,7 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_SCALE = torch.finfo(torch.float32).tiny  # float32's smallest normal
 GROUP = 128  # input features per scale of the block GEMM; 128 x 128 weight blocks
 _QUANT_TILE = 1024  # elements per program of the quantizer (whole groups, at least one)
+_SUM_BLOCK = 1024  # output columns per program adding split-K shares
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -189,32 +190,37 @@ def fp8_channel_gemm_ref(
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, K_SHARE,
     stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_wsk, stride_om,
     SCALE_GROUP: tl.constexpr, W_ROWS_PER_SCALE: tl.constexpr, GROUP_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):  # fmt: skip
-    """One ``[BLOCK_M, BLOCK_N]`` output tile; tiles launched ``GROUP_M`` row tiles per column
-    tile, so neighbouring programs share weight tiles in L2. ``GROUP_SCALES``: the scales change
-    along K (a scale stride of 0 repeats one), applied to each group's partial product; otherwise
-    one scale per row and per column, applied once to the sum."""
+    """One ``[BLOCK_M, BLOCK_N]`` output tile over features ``K_SHARE * program_id(1) ...`` (all
+    of K unless ``SPLIT_K``); tiles launched ``GROUP_M`` row tiles per column tile, so neighbouring
+    programs share weight tiles in L2. ``GROUP_SCALES``: the scales change along K (a scale
+    stride of 0 repeats one), applied to each group's partial product; otherwise one scale per
+    row and per column, applied once to the sum. With ``SPLIT_K`` > 1 the share's fp32 sum goes
+    to ``out_ptr[program_id(1)]`` (``[SPLIT_K, M, N]``) unscaled, for :func:`_sum_shares_kernel`."""
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     pid, per_group = tl.program_id(0), GROUP_M * tiles_n
     first_m = (pid // per_group) * GROUP_M
     rows_in_group = min(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % rows_in_group
     pid_n = (pid % per_group) // rows_in_group
+    k_start = tl.program_id(1) * K_SHARE
+    k_end = min(K, k_start + K_SHARE)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     m_ok, n_ok = m < M, n < N
-    a_ptrs = a_ptr + m.to(tl.int64)[:, None] * stride_am + k[None, :]
-    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
+    a_ptrs = a_ptr + m.to(tl.int64)[:, None] * stride_am + (k_start + k)[None, :]
+    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + (k_start + k)[None, :]
     as_ptrs = as_ptr + m * stride_asm
     ws_ptrs = ws_ptr + (n // W_ROWS_PER_SCALE) * stride_wsn  # a column tile may span two blocks
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = k[None, :] < K - k0  # past K: zeros, which add nothing
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_ok = k[None, :] < k_end - k0  # past the share: zeros, which add nothing
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
         if GROUP_SCALES:
@@ -226,11 +232,38 @@ def _fp8_gemm_kernel(
             acc += tl.dot(a, w.T)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K > 1:
+        share_ptrs = (
+            out_ptr + tl.program_id(1).to(tl.int64) * M * N + m.to(tl.int64)[:, None] * N + n[None, :]
+        )
+        tl.store(share_ptrs, acc, mask=mask)
+    else:
+        if not GROUP_SCALES:
+            a_s = tl.load(as_ptrs, mask=m_ok, other=0.0)
+            acc = acc * a_s[:, None] * tl.load(ws_ptrs, mask=n_ok, other=0.0)[None, :]
+        out_ptrs = out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_shares_kernel(
+    part_ptr, as_ptr, ws_ptr, out_ptr, M, N, stride_asm, stride_wsn, stride_om,
+    W_ROWS_PER_SCALE: tl.constexpr, GROUP_SCALES: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Row ``program_id(0)``, columns ``BLOCK_N * program_id(1) ...`` of a split-K product: the
+    shares' sums added in order (the same result on every run), scaled unless they are already."""
+    m = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for share in range(SPLIT_K):
+        acc += tl.load(part_ptr + (share * M + m) * N + n, mask=n_ok, other=0.0)
     if not GROUP_SCALES:
-        a_s = tl.load(as_ptrs, mask=m_ok, other=0.0)
-        acc = acc * a_s[:, None] * tl.load(ws_ptrs, mask=n_ok, other=0.0)[None, :]
-    out_ptrs = out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        w_s = tl.load(ws_ptr + (n // W_ROWS_PER_SCALE) * stride_wsn, mask=n_ok, other=0.0)
+        acc = acc * tl.load(as_ptr + m * stride_asm) * w_s
+    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def fp8_gemm_config(m: int) -> dict:
@@ -276,8 +309,11 @@ def fp8_gemm(
     engine keeps them), or ``[N]`` / ``[N, 1]`` per output channel (as :func:`fp8_channel_gemm_ref`).
     ``a_fp8`` and ``w_fp8`` need a unit stride in their last dimension; the scales may have any
     strides. ``config`` overrides :func:`fp8_gemm_config`'s tiles: ``BLOCK_M``, ``BLOCK_N``
-    (powers of two >= 16), ``BLOCK_K`` (a power of two dividing 128, >= 32), ``GROUP_M``,
-    ``num_warps``, ``num_stages``. On CUDA it needs float8 tensor cores (sm_89+)."""
+    (powers of two >= 16), ``BLOCK_K`` (a power of two >= 32, dividing 128 where the scales change
+    along K), ``GROUP_M``,
+    ``num_warps``, ``num_stages``, ``SPLIT_K`` (K cut into that many shares, each a program's, their
+    fp32 sums added by a second kernel: more programs to stream a weight at decode-sized ``m``).
+    On CUDA it needs float8 tensor cores (sm_89+)."""
     if a_fp8.dtype != FP8 or w_fp8.dtype != FP8:
         raise ValueError(f"a_fp8 and w_fp8 must be float8_e4m3fn: {a_fp8.dtype}, {w_fp8.dtype}")
     if a_fp8.dim() != 2 or w_fp8.dim() != 2 or a_fp8.shape[1] != w_fp8.shape[1]:
@@ -300,21 +336,32 @@ def fp8_gemm(
     if a_fp8.is_cuda and capability(a_fp8.device) < (8, 9):
         raise ValueError("fp8_gemm needs float8 tensor cores (compute capability 8.9+)")
     cfg = fp8_gemm_config(m) | (config or {})
-    if GROUP % cfg["BLOCK_K"] or cfg["BLOCK_K"] < 32:
-        raise ValueError(f"BLOCK_K must be a power of two >= 32 dividing {GROUP}: {cfg['BLOCK_K']}")
+    a_group_stride = a_scales.stride(1) if a_scales.shape[1] > 1 else 0
+    rows_per_scale, w_row_stride, w_group_stride = w_layout
+    group_scales = groups > 1 and (a_group_stride != 0 or w_group_stride != 0)
+    block_k = cfg["BLOCK_K"]
+    if block_k < 32 or block_k & (block_k - 1) or (group_scales and GROUP % block_k):
+        raise ValueError(f"BLOCK_K must be a power of two >= 32 (dividing {GROUP} with groups): {block_k}")
+    if not isinstance(cfg.get("SPLIT_K", 1), int) or cfg.get("SPLIT_K", 1) < 1:
+        raise ValueError(f"SPLIT_K must be a positive integer: {cfg['SPLIT_K']}")
     out = torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
     if not m or not n:
         return out
     if not k:
         return out.zero_()
-    a_group_stride = a_scales.stride(1) if a_scales.shape[1] > 1 else 0
-    rows_per_scale, w_row_stride, w_group_stride = w_layout
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    split = cfg.setdefault("SPLIT_K", 1)
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
+    k_share = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
     _fp8_gemm_kernel[grid](
-        a_fp8, a_scales, w_fp8, w_scales, out, m, n, k,
+        a_fp8, a_scales, w_fp8, w_scales, target, m, n, k, k_share,
         a_fp8.stride(0), a_scales.stride(0), a_group_stride, w_fp8.stride(0),
         w_row_stride, w_group_stride, out.stride(0),
-        SCALE_GROUP=GROUP, W_ROWS_PER_SCALE=rows_per_scale,
-        GROUP_SCALES=groups > 1 and (a_group_stride != 0 or w_group_stride != 0), **cfg,
+        SCALE_GROUP=GROUP, W_ROWS_PER_SCALE=rows_per_scale, GROUP_SCALES=group_scales, **cfg,
     )  # fmt: skip
+    if split > 1:
+        _sum_shares_kernel[(m, triton.cdiv(n, _SUM_BLOCK))](
+            target, a_scales, w_scales, out, m, n, a_scales.stride(0), w_row_stride, out.stride(0),
+            W_ROWS_PER_SCALE=rows_per_scale, GROUP_SCALES=group_scales, SPLIT_K=split, BLOCK_N=_SUM_BLOCK,
+        )  # fmt: skip
     return out

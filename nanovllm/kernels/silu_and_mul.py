@@ -33,12 +33,15 @@ def silu_and_mul_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _swiglu(row_ptr, cols, mask):
+def _swiglu(row_ptr, cols, mask, PAIRED: tl.constexpr):
     """silu(gate) * up of columns ``cols`` of one row, each op rounded to the row's dtype, in
     fp32 (0 where masked)."""
-    # one [BLOCK, 2] load of (gate, up) pairs
-    pairs = tl.load(row_ptr + 2 * cols[:, None] + tl.arange(0, 2)[None, :], mask=mask[:, None], other=0.0)
-    gate, up = tl.split(pairs.to(tl.float32))
+    if PAIRED:  # one [BLOCK, 2] load of (gate, up) pairs
+        pairs = tl.load(row_ptr + 2 * cols[:, None] + tl.arange(0, 2)[None, :], mask=mask[:, None], other=0.0)
+        gate, up = tl.split(pairs.to(tl.float32))
+    else:  # two strided loads, the second from the sectors the first brought in
+        gate = tl.load(row_ptr + 2 * cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(row_ptr + 2 * cols + 1, mask=mask, other=0.0).to(tl.float32)
     dtype = row_ptr.dtype.element_ty
     # silu rounded to the activation dtype before the product, as the reference does
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -50,7 +53,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.c
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
-    h = _swiglu(x_ptr + row * stride_x, cols, mask)
+    h = _swiglu(x_ptr + row * stride_x, cols, mask, True)
     tl.store(out_ptr + row * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -62,28 +65,33 @@ def _store_fp8(q_ptr, cols, mask, h, scale, FMAX: tl.constexpr):
 
 @triton.jit(do_not_specialize=["size", "stride_x"])
 def _silu_and_mul_fp8_kernel(
-    x_ptr, q_ptr, s_ptr, size, stride_x,
-    BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, size, stride_x, chunk,
+    BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr, PAIRED: tl.constexpr, FMAX: tl.constexpr,
+    SMIN: tl.constexpr,
 ):  # fmt: skip
-    """One token. ``WHOLE_ROW`` (``size <= BLOCK``): its values computed once and kept; else a
-    pass for the largest magnitude and a second that computes them again to store."""
+    """Token ``program_id(0)``. ``WHOLE_ROW`` (``size <= BLOCK``): its values computed once and
+    kept; else a pass over the row for its largest magnitude and a second that computes again and
+    stores columns ``chunk * program_id(1) ...`` (a row split over programs: at a few tokens the
+    row is in L2, and a single program walking it twice is bound by its loads' latency)."""
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * size
     if WHOLE_ROW:
         cols = tl.arange(0, BLOCK)
-        h = _swiglu(x_row, cols, cols < size)
+        h = _swiglu(x_row, cols, cols < size, PAIRED)
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(h), axis=0), FMAX), SMIN)
         _store_fp8(q_row, cols, cols < size, h, scale, FMAX)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, size, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(_swiglu(x_row, cols, cols < size)))
+            amax = tl.maximum(amax, tl.abs(_swiglu(x_row, cols, cols < size, PAIRED)))
         scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FMAX), SMIN)
-        for start in range(0, size, BLOCK):
+        first = tl.program_id(1) * chunk
+        for start in range(first, min(size, first + chunk), BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            _store_fp8(q_row, cols, cols < size, _swiglu(x_row, cols, cols < size), scale, FMAX)
-    tl.store(s_ptr + row, scale)
+            _store_fp8(q_row, cols, cols < size, _swiglu(x_row, cols, cols < size, PAIRED), scale, FMAX)
+    if tl.program_id(1) == 0:
+        tl.store(s_ptr + row, scale)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -105,23 +113,33 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_fp8(
-    x: torch.Tensor, block: int | None = None, num_warps: int | None = None
+    x: torch.Tensor,
+    block: int | None = None,
+    num_warps: int | None = None,
+    chunks: int = 1,
+    paired: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`silu_and_mul_fp8_ref` (up to exp's last bits); ``x`` 2-d with a
     unit stride in its last dimension. Outputs are contiguous. ``block`` (a power of two: output
-    columns per step, the whole row in one when it fits) and ``num_warps`` override the tiles."""
+    columns per step, the whole row in one when it fits) and ``num_warps`` override the tiles;
+    ``chunks``: programs per row, each storing a share of it; ``paired``: gate and up loaded as
+    pairs (else as two strided loads)."""
     if x.dim() != 2 or x.shape[-1] % 2:
         raise ValueError(f"x must be 2-d with gate and up in an even last dimension: {tuple(x.shape)}")
     if x.stride(-1) != 1:
         raise ValueError("x needs a unit stride in the last dimension")
+    if chunks < 1:
+        raise ValueError(f"chunks must be positive: {chunks}")
     rows, size = x.shape[0], x.shape[1] // 2
     q = torch.empty(rows, size, dtype=FP8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows and size:
         block = block or min(_FP8_BLOCK, triton.next_power_of_2(size))
-        _silu_and_mul_fp8_kernel[(rows,)](
-            x, q, scale, size, x.stride(0),
-            BLOCK=block, WHOLE_ROW=size <= block, FMAX=FP8_MAX, SMIN=MIN_SCALE,
+        whole_row = size <= block
+        chunk = size if whole_row else triton.cdiv(triton.cdiv(size, chunks), block) * block
+        _silu_and_mul_fp8_kernel[(rows, triton.cdiv(size, chunk))](
+            x, q, scale, size, x.stride(0), chunk,
+            BLOCK=block, WHOLE_ROW=whole_row, PAIRED=paired, FMAX=FP8_MAX, SMIN=MIN_SCALE,
             num_warps=num_warps or _FP8_NUM_WARPS,
         )  # fmt: skip
     return q, scale

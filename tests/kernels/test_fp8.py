@@ -232,6 +232,33 @@ def test_channel_gemm_matches_reference(m, n, k):
     check_channel_gemm(channel_operands(m, n, k, m + n + k, DEVICE), torch.float32, 1e-5)
 
 
+@pytest.mark.parametrize("block_k", [256, 512])
+def test_channel_gemm_takes_k_steps_wider_than_a_scale_group(block_k):
+    """Per-channel scales do not change along K, so a K step may span several 128-feature groups
+    (the mid-sized batches' tiles); with block scales it may not."""
+    args = channel_operands(40, 96, 700, 3, DEVICE)
+    config = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=block_k, GROUP_M=2)
+    got = fp8.fp8_gemm(*args, torch.float32, config=config)
+    check_channel_gemm(args, torch.float32, 1e-5, products=[got])
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        fp8.fp8_gemm(*args, torch.float32, config=dict(BLOCK_K=96))
+
+
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_split_k_gives_the_product(split):
+    """K cut into shares (each a multiple of BLOCK_K, the last shorter or empty), their fp32 sums
+    added by a second kernel, scaled there (per channel) or per group as they are summed (blocks);
+    the same output on every run."""
+    channel = channel_operands(5, 96, 700, 4, DEVICE)
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=split)
+    got = fp8.fp8_gemm(*channel, torch.bfloat16, config=config)
+    check_channel_gemm(channel, torch.bfloat16, 1e-5, products=[got])
+    assert torch.equal(got, fp8.fp8_gemm(*channel, torch.bfloat16, config=config))
+    check_gemm(gemm_operands(5, 200, 320, 8, DEVICE), torch.float32, 1e-5, config)
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        fp8.fp8_gemm(*channel, torch.float32, config=dict(SPLIT_K=0))
+
+
 def test_block_scales_kept_per_row_give_the_block_product():
     """The engine's layout of an FP8 checkpoint's scales: each 128 x 128 block's scale repeated
     on every row of the block (so that rows can be split across ranks)."""
@@ -312,10 +339,29 @@ def test_compiled_block_gemm_matches_reference_on_cuda(out_dtype, m, n, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 16, 64, 1024])
+@pytest.mark.parametrize("m", [1, 16, 64, 128, 256, 1024])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 12288), (1000, 1104)])
 def test_compiled_channel_gemm_matches_reference_on_cuda(out_dtype, m, n, k):
     check_channel_gemm(channel_operands(m, n, k, m + n + k, "cuda"), out_dtype, GPU_GEMM_REL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=1),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=4),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, num_warps=4, num_stages=3, SPLIT_K=2),
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, SPLIT_K=3),
+    ],
+)
+@pytest.mark.parametrize("m, n, k", [(1, 4096, 12288), (48, 6144, 4096), (200, 1000, 1104)])
+def test_compiled_channel_gemm_tiles_and_split_k_on_cuda(config, m, n, k):
+    args = channel_operands(m, n, k, m + n + k, "cuda")
+    got = fp8.fp8_gemm(*args, torch.bfloat16, config=config)
+    check_channel_gemm(args, torch.bfloat16, GPU_GEMM_REL, products=[got])
+    assert torch.equal(got, fp8.fp8_gemm(*args, torch.bfloat16, config=config))
 
 
 @pytest.mark.gpu

@@ -55,7 +55,16 @@ def test_reference_is_hf_swiglu():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7, 2 * 96), (3, 2 * 2100), (1, 2 * 3072), (64, 2 * 5000), (0, 64)])
 @pytest.mark.parametrize(
-    "tiles", [{}, dict(block=256, num_warps=4), dict(block=8192)], ids=["default", "steps", "whole_row"]
+    "tiles",
+    [
+        {},
+        dict(block=256, num_warps=4),
+        dict(block=8192),
+        dict(block=256, chunks=3),  # a row's stores split over programs, the last chunk shorter
+        dict(block=256, chunks=3, paired=False),
+        dict(block=8192, paired=False),
+    ],
+    ids=["default", "steps", "whole_row", "chunks", "chunks_strided", "whole_row_strided"],
 )
 def test_fp8_kernel_matches_reference(dtype, shape, tiles):
     """The same SwiGLU values rounded per token: scales agree to the dtype's rounding of the
@@ -86,6 +95,8 @@ def test_fp8_kernel_on_a_strided_view_and_bad_inputs():
         silu_and_mul_fp8(torch.zeros(2, 2, 8, device=DEVICE))
     with pytest.raises(ValueError, match="unit stride"):
         silu_and_mul_fp8(torch.zeros(8, 4, device=DEVICE).t())
+    with pytest.raises(ValueError, match="chunks"):
+        silu_and_mul_fp8(x, chunks=0)
 
 
 def test_fp8_reference_is_the_quantized_swiglu():
