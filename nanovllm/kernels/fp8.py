@@ -29,6 +29,8 @@ MIN_SCALE = torch.finfo(torch.float32).tiny  # float32's smallest normal
 GROUP = 128  # input features per scale of the block GEMM; 128 x 128 weight blocks
 _QUANT_TILE = 1024  # elements per program of the quantizer (whole groups, at least one)
 _SUM_BLOCK = 1024  # output columns per program adding split-K shares
+_SPLIT_PROGRAMS = 192  # programs a decode-sized GEMM wants: ~1.5 waves of Hopper's 132 SMs
+_MIN_SHARE = 1024  # features per split-K share at least
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -266,16 +268,29 @@ def _sum_shares_kernel(
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def fp8_gemm_config(m: int) -> dict:
-    """Tiles for ``m`` rows (untuned defaults for Hopper): decode-sized ``m`` takes thin tiles so
-    that enough programs stream the weight, larger ``m`` squarer ones."""
+def fp8_gemm_config(m: int, n: int, k: int, group_scales: bool) -> dict:
+    """Tiles for ``[m, k] x [n, k]^T`` (``benchmarks/bench_fp8.py --sweep`` on Hopper): decode-sized
+    ``m`` takes thin tiles with 256 features a step (128 where the scales change per group), and K
+    is cut into shares until enough programs stream the weight; larger ``m`` squarer tiles."""
+    step = 128 if group_scales else 256
+    wide = n >= 16384  # gate/up: enough column tiles for every SM as it is
     if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5)
-    if m <= 64:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
-    if m <= 256:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+        cfg = dict(BLOCK_M=16, BLOCK_N=64 if wide else 32, BLOCK_K=step, GROUP_M=1, num_warps=4)
+        cfg["num_stages"] = 3 if wide else 4
+    elif m <= 128:
+        step = 128 if wide else step
+        cfg = dict(
+            BLOCK_M=64, BLOCK_N=64, BLOCK_K=step, GROUP_M=8, num_warps=4, num_stages=4 if step == 128 else 3
+        )
+    elif m <= 256:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, SPLIT_K=1)
+    else:
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, SPLIT_K=1)
+    programs = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    split = 1
+    while programs * split < _SPLIT_PROGRAMS and k >= 2 * split * _MIN_SHARE:
+        split *= 2
+    return cfg | dict(SPLIT_K=split)
 
 
 def _weight_scale_layout(w_scales: torch.Tensor, n: int, groups: int) -> tuple[int, int, int] | None:
@@ -335,10 +350,10 @@ def fp8_gemm(
         raise ValueError("a_fp8 and w_fp8 need a unit stride in the last dimension")
     if a_fp8.is_cuda and capability(a_fp8.device) < (8, 9):
         raise ValueError("fp8_gemm needs float8 tensor cores (compute capability 8.9+)")
-    cfg = fp8_gemm_config(m) | (config or {})
     a_group_stride = a_scales.stride(1) if a_scales.shape[1] > 1 else 0
     rows_per_scale, w_row_stride, w_group_stride = w_layout
     group_scales = groups > 1 and (a_group_stride != 0 or w_group_stride != 0)
+    cfg = fp8_gemm_config(m, n, k, group_scales) | (config or {})
     block_k = cfg["BLOCK_K"]
     if block_k < 32 or block_k & (block_k - 1) or (group_scales and GROUP % block_k):
         raise ValueError(f"BLOCK_K must be a power of two >= 32 (dividing {GROUP} with groups): {block_k}")

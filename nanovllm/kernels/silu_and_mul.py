@@ -13,8 +13,11 @@ from nanovllm.kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_per_token_gro
 
 _BLOCK = 1024  # output columns per program
 _NUM_WARPS = 4
-_FP8_BLOCK = 2048  # output columns per step of the FP8 variant's loops
-_FP8_NUM_WARPS = 8
+# the FP8 variant's (block, num_warps, chunks) up to / above _FP8_FEW_ROWS rows
+# (benchmarks/bench_fp8_activations.py on Hopper)
+_FP8_FEW_ROWS = 64
+_FP8_TILES_FEW = (4096, 16, 3)
+_FP8_TILES_MANY = (2048, 8, 1)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -116,30 +119,34 @@ def silu_and_mul_fp8(
     x: torch.Tensor,
     block: int | None = None,
     num_warps: int | None = None,
-    chunks: int = 1,
-    paired: bool = True,
+    chunks: int | None = None,
+    paired: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`silu_and_mul_fp8_ref` (up to exp's last bits); ``x`` 2-d with a
     unit stride in its last dimension. Outputs are contiguous. ``block`` (a power of two: output
-    columns per step, the whole row in one when it fits) and ``num_warps`` override the tiles;
-    ``chunks``: programs per row, each storing a share of it; ``paired``: gate and up loaded as
-    pairs (else as two strided loads)."""
+    columns per step, the whole row in one when it fits), ``num_warps`` and ``chunks`` (programs
+    per row, each storing a share of it) override the tiles; ``paired``: gate and up loaded as
+    pairs (by default two strided loads, faster here)."""
     if x.dim() != 2 or x.shape[-1] % 2:
         raise ValueError(f"x must be 2-d with gate and up in an even last dimension: {tuple(x.shape)}")
     if x.stride(-1) != 1:
         raise ValueError("x needs a unit stride in the last dimension")
-    if chunks < 1:
+    if chunks is not None and chunks < 1:
         raise ValueError(f"chunks must be positive: {chunks}")
     rows, size = x.shape[0], x.shape[1] // 2
     q = torch.empty(rows, size, dtype=FP8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows and size:
-        block = block or min(_FP8_BLOCK, triton.next_power_of_2(size))
+        default_block, default_warps, default_chunks = (
+            _FP8_TILES_FEW if rows <= _FP8_FEW_ROWS else _FP8_TILES_MANY
+        )
+        block = block or min(default_block, triton.next_power_of_2(size))
+        num_warps, chunks = num_warps or default_warps, chunks or default_chunks
         whole_row = size <= block
         chunk = size if whole_row else triton.cdiv(triton.cdiv(size, chunks), block) * block
         _silu_and_mul_fp8_kernel[(rows, triton.cdiv(size, chunk))](
             x, q, scale, size, x.stride(0), chunk,
             BLOCK=block, WHOLE_ROW=whole_row, PAIRED=paired, FMAX=FP8_MAX, SMIN=MIN_SCALE,
-            num_warps=num_warps or _FP8_NUM_WARPS,
+            num_warps=num_warps,
         )  # fmt: skip
     return q, scale

@@ -16,8 +16,9 @@ their sums over up to 2,048 input features, so the result does not depend on how
 orders them (the tests' oracle rounds the same way). On CUDA the input is quantized by a Triton
 kernel and the product runs on fp8 tensor cores with fp32 sums: per-channel weights through
 cuBLAS (``torch._scaled_mm`` with row-wise scales) from :data:`CUBLAS_MIN_ROWS` rows, below that
-and for block scales the Triton GEMM of ``kernels/fp8.py`` (``benchmarks/bench_fp8.py``: at 1-16
-rows it reads the weight faster than cuBLAS; from 64 rows cuBLAS is ahead)."""
+and for block scales the Triton GEMM of ``kernels/fp8.py`` (``benchmarks/bench_fp8.py --sweep``:
+to 64 rows it reads the weight 1.4-1.6x faster than cuBLAS, at 128 rows they tie, from 256 cuBLAS
+is ahead)."""
 
 from typing import NamedTuple
 
@@ -52,7 +53,7 @@ class QuantizedActivation(NamedTuple):
     dtype: torch.dtype
 
 
-CUBLAS_MIN_ROWS = 33
+CUBLAS_MIN_ROWS = 129
 CUBLAS_ALIGN = 16  # cuBLAS's fp8 GEMMs need both matrix widths divisible by 16
 
 

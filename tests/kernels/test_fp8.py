@@ -227,7 +227,9 @@ def test_block_gemm_matches_reference(out_dtype, m, n, k):
     check_gemm(gemm_operands(m, n, k, m * n + k, DEVICE), out_dtype, 1e-5)
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 128, 128), (16, 200, 320), (65, 384, 256), (3, 48, 100)])
+@pytest.mark.parametrize(
+    "m, n, k", [(1, 128, 128), (16, 200, 320), (65, 384, 256), (3, 48, 100), (2, 96, 2048)]
+)  # the last: few programs, so the default tiles cut K in two
 def test_channel_gemm_matches_reference(m, n, k):
     check_channel_gemm(channel_operands(m, n, k, m + n + k, DEVICE), torch.float32, 1e-5)
 
@@ -366,7 +368,7 @@ def test_compiled_channel_gemm_tiles_and_split_k_on_cuda(config, m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 32, 33, 512])
+@pytest.mark.parametrize("m", [1, 32, 128, 129, 512])
 def test_fp8_layer_on_cuda_matches_reference(m):
     """The FP8 layer's CUDA path (quantizer, then the Triton GEMM below ``CUBLAS_MIN_ROWS`` rows
     and cuBLAS's row-wise scaled GEMM from there) against the references."""
