@@ -16,8 +16,9 @@ For each projection of the shape (qkv, o, gate_up, down), timed as a CUDA-graph 
 
 - ``rowwise triton``: the per-channel product through the Triton GEMM (``fp8_gemm`` with its
   default tiles), as the engine runs per-channel layers below 33 rows; ``--sweep`` also tries
-  ``SMALL_M_TILES`` (rows <= 32) and ``MID_M_TILES`` (33-256 rows) and prints the best tile per
-  projection, to tune ``fp8_gemm_config`` for decode-sized batches against cuBLAS.
+  ``SMALL_M_TILES`` (rows <= 32) or ``MID_M_TILES`` (33-256 rows), and ``TMA_TILES`` (tiles
+  through tensor descriptors), and prints the best tile per projection, to tune
+  ``fp8_gemm_config`` for decode-sized batches against cuBLAS.
 
 Every kernel's output is checked against the plain-torch reference before it is timed. Prints
 microseconds per projection, the four together, and each column's speed-up over bf16.
@@ -83,8 +84,22 @@ MID_M_TILES = [
 ]  # fmt: skip
 
 
+# the same through tensor descriptors (TMA), and larger tiles for 129-256 rows
+TMA_TILES = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    | dict(SPLIT_K=split, TMA=True)
+    for bm, bn, bk, warps, stages, split in [
+        (16, 32, 256, 4, 4, 1), (16, 32, 256, 4, 4, 2), (16, 64, 256, 4, 3, 1), (64, 64, 256, 4, 3, 1),
+        (64, 64, 256, 4, 3, 2), (64, 64, 256, 4, 3, 4), (64, 128, 128, 4, 3, 1), (64, 128, 256, 4, 3, 2),
+        (128, 64, 128, 4, 4, 1), (128, 128, 128, 8, 3, 1), (128, 128, 128, 4, 4, 1),
+        (128, 128, 256, 8, 2, 1), (128, 256, 128, 8, 3, 1), (64, 256, 128, 8, 3, 1),
+    ]
+]  # fmt: skip
+
+
 def sweep_tiles(rows: int) -> list[dict]:
-    return SMALL_M_TILES if rows <= 32 else MID_M_TILES if rows <= 256 else []
+    tiles = SMALL_M_TILES if rows <= 32 else MID_M_TILES if rows <= 256 else []
+    return tiles + TMA_TILES if tiles else []
 
 
 def rowwise_triton(x, w, w_scale, x_q, config=None):
@@ -99,7 +114,7 @@ def best_tile(tiles, layers, rep_ms: int, expected: torch.Tensor) -> tuple[float
         fns = [partial(rowwise_triton, x, *c, q, tile) for x, (_, c, _), q, _ in layers]
         try:
             check("rowwise triton", fns[0](), expected)
-        except (RuntimeError, AssertionError) as e:  # a tile that does not fit here
+        except (RuntimeError, AssertionError, ValueError) as e:  # a tile that does not fit here
             print(f"  tile {tile}: {str(e).splitlines()[0][:120]}")
             continue
         best = min(best, (graph_us(fns, rep_ms), tile), key=lambda t: t[0])

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.device import capability
 
@@ -190,6 +191,39 @@ def fp8_channel_gemm_ref(
     return (acc * a_scale.double().reshape(-1, 1) * w_scale.double().reshape(1, -1)).to(out_dtype)
 
 
+@triton.jit
+def _tile_origin(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(first row, first column)`` of program ``program_id(0)``'s output tile: tiles launched
+    ``GROUP_M`` row tiles per column tile, so neighbouring programs share weight tiles in L2."""
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    pid, per_group = tl.program_id(0), GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@triton.jit
+def _store_tile(
+    acc, m, n, M, N, as_ptrs, ws_ptrs, out_ptr, stride_om, SCALED: tl.constexpr, SPLIT_K: tl.constexpr
+):
+    """A tile's fp32 sum: a split-K share's unscaled to ``out_ptr[program_id(1)]`` (``[SPLIT_K,
+    M, N]``, for :func:`_sum_shares_kernel`), else times the row and column scales (unless
+    ``SCALED`` already) to ``out_ptr``."""
+    m_ok, n_ok = m < M, n < N
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K > 1:
+        rows = tl.program_id(1).to(tl.int64) * M + m  # of the [SPLIT_K * M, N] shares
+        tl.store(out_ptr + rows[:, None] * N + n[None, :], acc, mask=mask)
+    else:
+        if not SCALED:
+            a_s = tl.load(as_ptrs, mask=m_ok, other=0.0)
+            acc = acc * a_s[:, None] * tl.load(ws_ptrs, mask=n_ok, other=0.0)[None, :]
+        out_ptrs = out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, K_SHARE,
@@ -199,21 +233,14 @@ def _fp8_gemm_kernel(
     SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile over features ``K_SHARE * program_id(1) ...`` (all
-    of K unless ``SPLIT_K``); tiles launched ``GROUP_M`` row tiles per column tile, so neighbouring
-    programs share weight tiles in L2. ``GROUP_SCALES``: the scales change along K (a scale
-    stride of 0 repeats one), applied to each group's partial product; otherwise one scale per
-    row and per column, applied once to the sum. With ``SPLIT_K`` > 1 the share's fp32 sum goes
-    to ``out_ptr[program_id(1)]`` (``[SPLIT_K, M, N]``) unscaled, for :func:`_sum_shares_kernel`."""
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    pid, per_group = tl.program_id(0), GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_in_group = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_in_group
-    pid_n = (pid % per_group) // rows_in_group
+    of K unless ``SPLIT_K``). ``GROUP_SCALES``: the scales change along K (a scale stride of 0
+    repeats one), applied to each group's partial product; otherwise one scale per row and per
+    column, applied once to the sum."""
+    first_m, first_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_start = tl.program_id(1) * K_SHARE
     k_end = min(K, k_start + K_SHARE)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = first_m + tl.arange(0, BLOCK_M)
+    n = first_n + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     m_ok, n_ok = m < M, n < N
     a_ptrs = a_ptr + m.to(tl.int64)[:, None] * stride_am + (k_start + k)[None, :]
@@ -234,18 +261,25 @@ def _fp8_gemm_kernel(
             acc += tl.dot(a, w.T)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K > 1:
-        share_ptrs = (
-            out_ptr + tl.program_id(1).to(tl.int64) * M * N + m.to(tl.int64)[:, None] * N + n[None, :]
-        )
-        tl.store(share_ptrs, acc, mask=mask)
-    else:
-        if not GROUP_SCALES:
-            a_s = tl.load(as_ptrs, mask=m_ok, other=0.0)
-            acc = acc * a_s[:, None] * tl.load(ws_ptrs, mask=n_ok, other=0.0)[None, :]
-        out_ptrs = out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(acc, m, n, M, N, as_ptrs, ws_ptrs, out_ptr, stride_om, GROUP_SCALES, SPLIT_K)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_tma_kernel(
+    a_desc, as_ptr, w_desc, ws_ptr, out_ptr, M, N, K, K_SHARE, stride_asm, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """:func:`_fp8_gemm_kernel`'s per-channel product with the tiles brought in by tensor
+    descriptors (TMA on Hopper; zeros past the tensors' edges), the scales applied to the sum."""
+    first_m, first_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_start = tl.program_id(1) * K_SHARE
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, min(K, k_start + K_SHARE), BLOCK_K):  # a share: whole K steps
+        acc += tl.dot(a_desc.load([first_m, k0]), w_desc.load([first_n, k0]).T)
+    m = first_m + tl.arange(0, BLOCK_M)
+    n = first_n + tl.arange(0, BLOCK_N)
+    _store_tile(acc, m, n, M, N, as_ptr + m * stride_asm, ws_ptr + n, out_ptr, stride_om, False, SPLIT_K)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -308,6 +342,23 @@ def _weight_scale_layout(w_scales: torch.Tensor, n: int, groups: int) -> tuple[i
     return None
 
 
+def tma_fits(a_fp8: torch.Tensor, w_fp8: torch.Tensor, w_scales: torch.Tensor, group_scales: bool) -> bool:
+    """Whether the tensor-descriptor kernel takes these operands: per-channel weight scales (one
+    per row), contiguous operands starting and with rows in whole 16-byte units, a GPU with TMA
+    (sm_90+; any device under the interpreter)."""
+    return (
+        not group_scales
+        and w_scales.numel() == w_fp8.shape[0]
+        and w_scales.is_contiguous()
+        and a_fp8.is_contiguous()
+        and w_fp8.is_contiguous()
+        and a_fp8.shape[1] % 16 == 0
+        and a_fp8.data_ptr() % 16 == 0
+        and w_fp8.data_ptr() % 16 == 0
+        and (not a_fp8.is_cuda or capability(a_fp8.device)[0] >= 9)
+    )
+
+
 def fp8_gemm(
     a_fp8: torch.Tensor,
     a_scales: torch.Tensor,
@@ -327,7 +378,8 @@ def fp8_gemm(
     (powers of two >= 16), ``BLOCK_K`` (a power of two >= 32, dividing 128 where the scales change
     along K), ``GROUP_M``,
     ``num_warps``, ``num_stages``, ``SPLIT_K`` (K cut into that many shares, each a program's, their
-    fp32 sums added by a second kernel: more programs to stream a weight at decode-sized ``m``).
+    fp32 sums added by a second kernel: more programs to stream a weight at decode-sized ``m``),
+    ``TMA`` (tiles through tensor descriptors, where :func:`tma_fits`).
     On CUDA it needs float8 tensor cores (sm_89+)."""
     if a_fp8.dtype != FP8 or w_fp8.dtype != FP8:
         raise ValueError(f"a_fp8 and w_fp8 must be float8_e4m3fn: {a_fp8.dtype}, {w_fp8.dtype}")
@@ -359,6 +411,8 @@ def fp8_gemm(
         raise ValueError(f"BLOCK_K must be a power of two >= 32 (dividing {GROUP} with groups): {block_k}")
     if not isinstance(cfg.get("SPLIT_K", 1), int) or cfg.get("SPLIT_K", 1) < 1:
         raise ValueError(f"SPLIT_K must be a positive integer: {cfg['SPLIT_K']}")
+    if cfg.get("TMA") and not tma_fits(a_fp8, w_fp8, w_scales, group_scales):
+        raise ValueError("TMA needs per-channel weight scales, contiguous operands and 16-byte rows")
     out = torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
     if not m or not n:
         return out
@@ -368,12 +422,19 @@ def fp8_gemm(
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
     k_share = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
-    _fp8_gemm_kernel[grid](
-        a_fp8, a_scales, w_fp8, w_scales, target, m, n, k, k_share,
-        a_fp8.stride(0), a_scales.stride(0), a_group_stride, w_fp8.stride(0),
-        w_row_stride, w_group_stride, out.stride(0),
-        SCALE_GROUP=GROUP, W_ROWS_PER_SCALE=rows_per_scale, GROUP_SCALES=group_scales, **cfg,
-    )  # fmt: skip
+    if cfg.pop("TMA", False):
+        _fp8_gemm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(a_fp8, [cfg["BLOCK_M"], block_k]), a_scales,
+            TensorDescriptor.from_tensor(w_fp8, [cfg["BLOCK_N"], block_k]), w_scales.view(-1),
+            target, m, n, k, k_share, a_scales.stride(0), out.stride(0), **cfg,
+        )  # fmt: skip
+    else:
+        _fp8_gemm_kernel[grid](
+            a_fp8, a_scales, w_fp8, w_scales, target, m, n, k, k_share,
+            a_fp8.stride(0), a_scales.stride(0), a_group_stride, w_fp8.stride(0),
+            w_row_stride, w_group_stride, out.stride(0),
+            SCALE_GROUP=GROUP, W_ROWS_PER_SCALE=rows_per_scale, GROUP_SCALES=group_scales, **cfg,
+        )  # fmt: skip
     if split > 1:
         _sum_shares_kernel[(m, triton.cdiv(n, _SUM_BLOCK))](
             target, a_scales, w_scales, out, m, n, a_scales.stride(0), w_row_stride, out.stride(0),

@@ -246,6 +246,31 @@ def test_channel_gemm_takes_k_steps_wider_than_a_scale_group(block_k):
         fp8.fp8_gemm(*args, torch.float32, config=dict(BLOCK_K=96))
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("m, k, block_m", [(5, 704, 16), (40, 2048, 32)])
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_per_channel_tiles_through_pointers_or_descriptors(tma, m, k, block_m, split):
+    """The per-channel product with its tiles loaded through pointers or tensor descriptors (zeros
+    past the edges), K whole or cut into shares."""
+    args = channel_operands(m, 96, k, m + k, DEVICE)
+    config = dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128, GROUP_M=2, SPLIT_K=split, TMA=tma)
+    got = fp8.fp8_gemm(*args, torch.bfloat16, config=config)
+    check_channel_gemm(args, torch.bfloat16, 1e-5, products=[got])
+
+
+def test_descriptor_tiles_refused_where_they_do_not_fit():
+    a_fp8, a_scales, w_fp8, w_scale_inv = gemm_operands(5, 200, 320, 8, DEVICE)
+    with pytest.raises(ValueError, match="TMA"):  # block scales
+        fp8.fp8_gemm(a_fp8, a_scales, w_fp8, w_scale_inv, torch.float32, config=dict(TMA=True))
+    a_fp8, a_scale, w_fp8, w_scale = channel_operands(5, 96, 100, 1, DEVICE)
+    with pytest.raises(ValueError, match="TMA"):  # rows of 100 bytes
+        fp8.fp8_gemm(a_fp8, a_scale, w_fp8, w_scale, torch.float32, config=dict(TMA=True))
+    a_fp8, _, w_fp8, w_scale = channel_operands(5, 96, 128, 1, DEVICE)
+    hopper = DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9
+    assert fp8.tma_fits(a_fp8, w_fp8, w_scale, group_scales=False) == hopper
+    assert not fp8.tma_fits(a_fp8, w_fp8, w_scale, group_scales=True)
+
+
 @pytest.mark.parametrize("split", [2, 3, 8])
 def test_split_k_gives_the_product(split):
     """K cut into shares (each a multiple of BLOCK_K, the last shorter or empty), their fp32 sums
