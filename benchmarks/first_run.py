@@ -17,8 +17,6 @@ compiles there).
 """
 
 import argparse
-import importlib
-import pkgutil
 import statistics
 import tempfile
 import time
@@ -26,42 +24,10 @@ from collections import defaultdict
 
 import torch
 
-import nanovllm.kernels
 from bench import fresh_prompts, workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo_models import SHAPES, write_config
-
-
-def triton_kernels() -> dict[str, object]:
-    """Every ``@triton.jit`` function of ``nanovllm.kernels``, by ``module.name``."""
-    from triton.runtime.jit import JITFunction
-
-    found = {}
-    for info in pkgutil.iter_modules(nanovllm.kernels.__path__):
-        module = importlib.import_module(f"nanovllm.kernels.{info.name}")
-        for name, value in vars(module).items():
-            if isinstance(value, JITFunction):
-                found[f"{info.name}.{name}"] = value
-    return found
-
-
-def compiled_variants(kernels: dict[str, object]) -> dict[str, set]:
-    """The specialization keys each kernel has compiled, on every device."""
-    variants = {}
-    for name, kernel in kernels.items():
-        keys = set()
-        for entry in getattr(kernel, "device_caches", {}).values():
-            cache = entry[0] if isinstance(entry, tuple) else entry
-            keys.update(str(key) for key in cache)
-        variants[name] = keys
-    return variants
-
-
-def dynamo_graphs() -> int:
-    """Graphs torch.compile has compiled so far in this process."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"].get("unique_graphs", 0)
+from nanovllm.kernels.compiled import compiled_variants, dynamo_graphs, triton_kernels
 
 
 def snapshot(kernels: dict[str, object]) -> dict:

@@ -136,7 +136,7 @@ def fused_moe_ref(
     return out.sum(1, dtype=torch.float32).to(x.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr, x_scale_ptr, w_scale_ptr,
     num_pairs, top_k, hidden, inter,
@@ -200,7 +200,7 @@ def _gate_up_kernel(
     tl.store(out_ptrs, h, mask=valid[:, None] & (n[None, :] < inter))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr,
     h_scale_ptr, w_scale_ptr,

@@ -62,7 +62,7 @@ def _one_hot(ids_ptr, chunk, num_pairs, CHUNK: tl.constexpr, EXPERTS: tl.constex
     return pairs, (ids[:, None] == tl.arange(0, EXPERTS)[None, :]).to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_rows", "rows_per_program"])
 def _count_kernel(
     ids_ptr, chunk_counts_ptr, sorted_ids_ptr, num_pairs, max_rows, rows_per_program,
     CHUNK: tl.constexpr, EXPERTS: tl.constexpr,
@@ -77,7 +77,7 @@ def _count_kernel(
         tl.store(sorted_ids_ptr + rows, tl.full((CHUNK,), num_pairs, tl.int32), mask=rows < max_rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "num_blocks"])
 def _place_kernel(
     chunk_counts_ptr, expert_start_ptr, expert_of_block_ptr, num_padded_ptr,
     num_chunks, num_experts, num_blocks, block_m,
@@ -104,7 +104,7 @@ def _place_kernel(
         tl.store(expert_of_block_ptr + blocks, expert, mask=blocks < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _scatter_kernel(
     ids_ptr, chunk_counts_ptr, expert_start_ptr, sorted_ids_ptr, num_pairs,
     CHUNK: tl.constexpr, EXPERTS: tl.constexpr,
