@@ -1,8 +1,8 @@
 """SwiGLU's ``silu(gate) * up`` on a fused gate/up projection whose gate and up columns are
 interleaved (gate ``j`` at ``2j``, up ``j`` at ``2j + 1``, as the engine stores the weight), one
 pass over memory; and the same rounded to FP8 per token for a down projection with FP8 weights
-(one program per token: the row held whole where it fits, else a pass for its largest magnitude
-and a second to store)."""
+(the row held whole where it fits, else a pass for its largest magnitude and a second to store,
+split over a few programs per token at small batches)."""
 
 import torch
 import torch.nn.functional as F
