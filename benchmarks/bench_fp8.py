@@ -8,7 +8,8 @@ For each projection of the shape (qkv, o, gate_up, down), timed as a CUDA-graph 
 - ``bf16``: ``F.linear`` (cuBLAS), the baseline;
 - ``rowwise``: per-token activation quantization (``quantize_per_token_group`` over the whole
   row) then ``torch._scaled_mm`` with row-wise scales, as ``quantization="fp8"`` would run it;
-  ``rowwise mm`` the product alone;
+  ``rowwise mm`` the product alone; ``mm fast acc`` the product with ``use_fast_accum=True`` (sums
+  kept in the tensor cores' reduced precision across K, as vLLM's CUTLASS FP8 kernels keep them);
 - ``block``: per-token-and-128 quantization then the Triton block-scaled GEMM
   (``fp8_gemm``), as an FP8 checkpoint's layers would run; ``block mm`` the GEMM alone;
 - ``block cublas``: the same product through ``torch._scaled_mm``'s 1x128 / 128x128 block scales,
@@ -43,12 +44,13 @@ from nanovllm.kernels.fp8 import (
 )
 
 
-def rowwise(x, w, w_scale, mm_only=False, x_q=None):
+def rowwise(x, w, w_scale, mm_only=False, x_q=None, fast=False):
     if mm_only:
         q, s = x_q
     else:
         q, s = quantize_per_token_group(x, group=x.shape[1])
-    return torch._scaled_mm(q, w.T, scale_a=s, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
+    scale_b = w_scale.view(1, -1)
+    return torch._scaled_mm(q, w.T, scale_a=s, scale_b=scale_b, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
 
 def block(x, w, w_scale_inv, mm_only=False, x_q=None):
@@ -147,7 +149,8 @@ def main() -> None:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
             per_layer.append((w, quantize_weight_per_channel_ref(w), quantize_weight_blockwise_ref(w)))
         weights[name] = per_layer
-    columns = ["bf16", "rowwise", "rowwise mm", "rowwise triton", "block", "block mm", "block cublas"]
+    columns = ["bf16", "rowwise", "rowwise mm", "mm fast acc", "rowwise triton", "block", "block mm"]
+    columns.append("block cublas")
     print(f"{torch.cuda.get_device_name()}, {args.shape}, {args.layers} layers' weights per graph, us")
     print(f"{'rows':>6} {'proj':>8} " + " ".join(f"{c:>13}" for c in columns))
     for rows in map(int, args.rows.split(",")):
@@ -164,6 +167,7 @@ def main() -> None:
                 "bf16": [partial(F.linear, x, w) for x, (w, _, _), _, _ in layers],
                 "rowwise": [partial(rowwise, x, *c) for x, (_, c, _), _, _ in layers],
                 "rowwise mm": [partial(rowwise, x, *c, True, q) for x, (_, c, _), q, _ in layers],
+                "mm fast acc": [partial(rowwise, x, *c, True, q, True) for x, (_, c, _), q, _ in layers],
                 "rowwise triton": [partial(rowwise_triton, x, *c, q) for x, (_, c, _), q, _ in layers],
                 "block": [partial(block, x, *b) for x, (_, _, b), _, _ in layers],
                 "block mm": [partial(block, x, *b, True, g) for x, (_, _, b), _, g in layers],
@@ -174,7 +178,7 @@ def main() -> None:
                 try:
                     if column == "block cublas":
                         check(column, fns[0](), fp8_block_gemm_ref(*per_group[0], wb, sb, torch.bfloat16))
-                    if column == "rowwise triton":
+                    if column in ("rowwise triton", "mm fast acc"):
                         check(column, fns[0](), fp8_channel_gemm_ref(*per_row[0], wc, sc, torch.bfloat16))
                     times[column] = graph_us(fns, args.rep_ms)
                 except (RuntimeError, AssertionError, NotImplementedError) as e:
