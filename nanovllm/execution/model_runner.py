@@ -79,6 +79,31 @@ class PendingOutput:
         return output
 
 
+def prompt_rows(tokens: int, config: Config) -> list[int]:
+    """Prompt lengths summing to ``tokens`` (at most ``max_model_len`` each, at most
+    ``max_num_seqs`` of them: fewer tokens where those bounds say so)."""
+    max_len = config.max_model_len
+    lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
+    return lens[: config.max_num_seqs]
+
+
+def warm_up_lens(config: Config) -> list[tuple[list[int], int]]:
+    """``(prompt lengths, cached prefix)`` of the eager steps that compile, before the first
+    request waits for it, what eager steps run: prompt chunks with and without a cached prefix,
+    alone and mixed with decodes; then a step of every power of two from 64 tokens below the
+    largest step (the profile's: the token budget, as far as ``max_num_seqs`` rows of
+    ``max_model_len`` hold it), since kernels pick tiles and split factors by a step's token count
+    and each pick compiles once."""
+    n = max(1, min(16, config.max_model_len // 2))
+    rows = config.max_num_seqs
+    steps = [(lens[-rows:], prefix) for prefix in (0, n) for lens in ([n, n], [1, 1, n])]
+    tokens, largest = 64, sum(prompt_rows(config.max_num_batched_tokens, config))
+    while tokens < largest:
+        steps.append((prompt_rows(tokens, config), 0))
+        tokens *= 2
+    return steps
+
+
 def dummy_batch(lens: list[int], block_size: int, prefix: int = 0) -> StepBatch:
     """Slots 0.. computing ``lens`` zero tokens after ``prefix`` cached ones, every block id 0,
     sampled at temperature 1; rows of one token go first."""
@@ -199,21 +224,17 @@ class ModelRunner:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            budget, max_len = self.config.max_num_batched_tokens, self.config.max_model_len
-            lens = [max_len] * (budget // max_len) + ([budget % max_len] if budget % max_len else [])
-            self.run(dummy_batch(lens[: self.config.max_num_seqs], self.config.kvcache_block_size))
+            lens = prompt_rows(self.config.max_num_batched_tokens, self.config)
+            self.run(dummy_batch(lens, self.config.kvcache_block_size))
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated(self.device)
         finally:
             placeholder.release()
 
     def _warm_up(self) -> None:
-        """Compile, before the first request waits for it, what eager steps run: prompt
-        chunks with and without a cached prefix, alone and mixed with decodes, and the sampler."""
-        n = max(1, min(16, self.config.max_model_len // 2))
-        for prefix in (0, n):
-            for lens in ([n, n], [1, 1, n]):
-                self.run(dummy_batch(lens, self.config.kvcache_block_size, prefix))
+        """The steps of :func:`warm_up_lens`, each sampled (so the sampler compiles too)."""
+        for lens, prefix in warm_up_lens(self.config):
+            self.run(dummy_batch(lens, self.config.kvcache_block_size, prefix))
         torch.cuda.synchronize()
 
     def _capture_decode_graphs(self) -> DecodeGraphs:
