@@ -33,8 +33,10 @@ def test_steps_of_each_power_of_two_below_the_largest(qwen3_dir, max_model_len, 
         assert len(lens) <= max_num_seqs and all(0 < n and prefix + n <= max_model_len for n in lens)
 
 
-def test_the_warm_up_steps_run(qwen3_dir):
-    with LLM(qwen3_dir, **OPTIONS, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=512) as llm:
+@pytest.mark.parametrize("max_num_seqs", [1, 4])  # 1: the mixed steps cut to one row
+def test_the_warm_up_steps_run(qwen3_dir, max_num_seqs):
+    limits = dict(max_model_len=128, max_num_seqs=max_num_seqs, max_num_batched_tokens=512)
+    with LLM(qwen3_dir, **OPTIONS, **limits) as llm:
         runner = llm.executor.runner
         for lens, prefix in warm_up_lens(runner.config):
             output = runner.run(dummy_batch(lens, runner.config.kvcache_block_size, prefix))
