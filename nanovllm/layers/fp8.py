@@ -112,9 +112,11 @@ def quantize_weight_blocks(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return quantize_weight_blockwise_ref(loaded)
 
 
-def block_scales_per_row(scale_inv: torch.Tensor) -> torch.Tensor:
-    """``[ceil(out / 128), groups]`` block scales as one row of group scales per output row."""
-    return scale_inv.float().repeat_interleave(GROUP, dim=0)
+def block_scales_per_row(scale_inv: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """``[..., ceil(out / 128), groups]`` block scales as one row of group scales per output row
+    (float32; the first ``rows`` of them where given)."""
+    per_row = scale_inv.float().repeat_interleave(GROUP, dim=-2)
+    return per_row if rows is None else per_row[..., :rows, :]
 
 
 def fp8_block_linear(

@@ -20,7 +20,7 @@ from torch import nn
 
 from nanovllm.kernels.fp8 import FP8, GROUP
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
-from nanovllm.layers.fp8 import quantize_weight, quantize_weight_blocks
+from nanovllm.layers.fp8 import block_scales_per_row, quantize_weight, quantize_weight_blocks
 from nanovllm.layers.parallel import TPGroup, copy_weight, divide, shard_of
 
 
@@ -37,11 +37,6 @@ def _check_dims(loaded: torch.Tensor, expert: int | None) -> None:
         raise ValueError(f"has shape {tuple(loaded.shape)}, expected {3 if expert is None else 2} dimensions")
 
 
-def _block_scales_per_row(scale_inv: torch.Tensor, rows: int) -> torch.Tensor:
-    """``[..., ceil(rows / 128), groups]`` block scales as ``[..., rows, groups]`` (float32)."""
-    return scale_inv.float().repeat_interleave(GROUP, dim=-2)[..., :rows, :]
-
-
 def _quantize_blocks(loaded: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A model-dtype ``[rows, in]`` (or stacked ``[experts, rows, in]``) weight as an FP8
     checkpoint would hold it, each of its ``parts`` (gate and up: 2) quantized by 128 x 128
@@ -51,7 +46,7 @@ def _quantize_blocks(loaded: torch.Tensor, parts: int) -> tuple[torch.Tensor, to
         return torch.stack([w for w, _ in pairs]), torch.stack([s for _, s in pairs])
     pairs = [quantize_weight_blocks(part) for part in loaded.chunk(parts, dim=0)]
     weights = [w for w, _ in pairs]
-    scales = [_block_scales_per_row(s, w.shape[0]) for w, s in pairs]
+    scales = [block_scales_per_row(s, w.shape[0]) for w, s in pairs]
     return torch.cat(weights), torch.cat(scales)
 
 
@@ -159,7 +154,7 @@ class FusedMoE(nn.Module):
         expert, half = shard_id
         if expert is None or loaded.numel() != 1:
             raise ValueError(f"has shape {tuple(loaded.shape)}, expected one scale for one expert's tensor")
-        rows = self.w2.shape[1] if half is None else self.w13.shape[1] // 2 * self.tp.size
+        rows = self._checkpoint_rows(half)
         self._route(param.data, loaded.float().reshape(1).expand(rows), shard_id, split_columns=False)
 
     def fp8_block_weight_loader(
@@ -188,13 +183,18 @@ class FusedMoE(nn.Module):
         expert, half = shard_id
         if expert is None or loaded.dim() != 2:
             raise ValueError(f"has shape {tuple(loaded.shape)}, expected one expert's 2-d block scales")
-        rows = self.w2.shape[1] if half is None else self.w13.shape[1] // 2 * self.tp.size
+        rows = self._checkpoint_rows(half)
         if loaded.shape[0] != triton.cdiv(rows, GROUP):
             raise ValueError(
                 f"has shape {tuple(loaded.shape)}, expected {triton.cdiv(rows, GROUP)} blocks of "
                 f"{GROUP} rows for {rows} rows"
             )
-        self._route_scales(_block_scales_per_row(loaded, rows), shard_id, param)
+        self._route_scales(block_scales_per_row(loaded, rows), shard_id, param)
+
+    def _checkpoint_rows(self, half: int | None) -> int:
+        """Rows of one expert's ``down_proj`` (``half`` None) or ``gate_proj`` / ``up_proj`` in
+        the checkpoint, before any tensor-parallel split."""
+        return self.w2.shape[1] if half is None else self.w13.shape[1] // 2 * self.tp.size
 
     def _route_scales(
         self, scales: torch.Tensor, shard_id: tuple[int | None, int | None], param: nn.Parameter | None = None
