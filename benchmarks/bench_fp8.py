@@ -35,12 +35,14 @@ from benchmarks.bench_gemm import graph_us, projections
 from nanovllm.demo_models import SHAPES
 from nanovllm.kernels.fp8 import (
     GROUP,
-    fp8_block_gemm_ref,
-    fp8_channel_gemm_ref,
-    fp8_gemm,
     quantize_per_token_group,
     quantize_weight_blockwise_ref,
     quantize_weight_per_channel_ref,
+)
+from nanovllm.kernels.fp8_gemm import (
+    fp8_block_gemm_ref,
+    fp8_channel_gemm_ref,
+    fp8_gemm,
 )
 
 

@@ -33,10 +33,12 @@ from nanovllm.kernels.device import capability
 from nanovllm.kernels.fp8 import (
     FP8,
     GROUP,
-    fp8_channel_gemm_ref,
-    fp8_row_group_gemm_ref,
     quantize_per_token_group,
     quantize_per_token_group_ref,
+)
+from nanovllm.kernels.fp8_gemm import (
+    fp8_channel_gemm_ref,
+    fp8_row_group_gemm_ref,
 )
 from nanovllm.kernels.moe_align import moe_align
 

@@ -16,7 +16,7 @@ their sums over up to 2,048 input features, so the result does not depend on how
 orders them (the tests' oracle rounds the same way). On CUDA the input is quantized by a Triton
 kernel and the product runs on fp8 tensor cores with fp32 sums: per-channel weights through
 cuBLAS (``torch._scaled_mm`` with row-wise scales) from :data:`CUBLAS_MIN_ROWS` rows, below that
-and for block scales the Triton GEMM of ``kernels/fp8.py`` (``benchmarks/bench_fp8.py --sweep``:
+and for block scales the Triton GEMM of ``kernels/fp8_gemm.py`` (``benchmarks/bench_fp8.py --sweep``:
 to 64 rows it reads the weight 1.4-1.6x faster than cuBLAS, at 128 rows they tie, from 256 cuBLAS
 is ahead)."""
 
@@ -27,13 +27,15 @@ import torch
 from nanovllm.kernels.fp8 import (
     FP8,
     GROUP,
-    fp8_channel_gemm_ref,
-    fp8_gemm,
-    fp8_row_group_gemm_ref,
     quantize_per_token_group,
     quantize_per_token_group_ref,
     quantize_weight_blockwise_ref,
     quantize_weight_per_channel_ref,
+)
+from nanovllm.kernels.fp8_gemm import (
+    fp8_channel_gemm_ref,
+    fp8_gemm,
+    fp8_row_group_gemm_ref,
 )
 
 PER_ROW_SCALED = ("fp8", "fp8_tensor")
