@@ -4,7 +4,7 @@ import pytest
 
 from nanovllm import LLM
 from nanovllm.config import Config, Platform
-from nanovllm.execution.model_runner import dummy_batch, prompt_rows, warm_up_lens
+from nanovllm.execution.startup_steps import dummy_batch, prompt_rows, warm_up_lens
 
 OPTIONS = dict(device="cpu", dtype="float32", kvcache_block_size=16)
 
