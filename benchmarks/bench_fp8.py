@@ -7,19 +7,19 @@ For each projection of the shape (qkv, o, gate_up, down), timed as a CUDA-graph 
 
 - ``bf16``: ``F.linear`` (cuBLAS), the baseline;
 - ``rowwise``: per-token activation quantization (``quantize_per_token_group`` over the whole
-  row) then ``torch._scaled_mm`` with row-wise scales, as ``quantization="fp8"`` would run it;
-  ``rowwise mm`` the product alone; ``mm fast acc`` the product with ``use_fast_accum=True`` (sums
-  kept in the tensor cores' reduced precision across K, as vLLM's CUTLASS FP8 kernels keep them);
+  row) then ``torch._scaled_mm`` with row-wise scales and ``use_fast_accum=True`` (sums kept in
+  the tensor cores' accumulator across K, as the Triton GEMM and vLLM's CUTLASS FP8 kernels keep
+  them), as ``quantization="fp8"`` runs it from 129 rows; ``rowwise mm`` the product alone;
+  ``mm exact acc`` the product with cuBLAS's periodic promotion to a full fp32 sum;
 - ``block``: per-token-and-128 quantization then the Triton block-scaled GEMM
   (``fp8_gemm``), as an FP8 checkpoint's layers would run; ``block mm`` the GEMM alone;
 - ``block cublas``: the same product through ``torch._scaled_mm``'s 1x128 / 128x128 block scales,
   where this torch and cuBLAS have them.
 
 - ``rowwise triton``: the per-channel product through the Triton GEMM (``fp8_gemm`` with its
-  default tiles), as the engine runs per-channel layers below 33 rows; ``--sweep`` also tries
-  ``SMALL_M_TILES`` (rows <= 32) or ``MID_M_TILES`` (33-256 rows), and ``TMA_TILES`` (tiles
-  through tensor descriptors), and prints the best tile per projection, to tune
-  ``fp8_gemm_config`` for decode-sized batches against cuBLAS.
+  default tiles), as the engine runs per-channel layers below 129 rows; ``--sweep`` also tries
+  ``SMALL_M_TILES`` (rows <= 32) or ``MID_M_TILES`` (33-256 rows) and prints the best tile per
+  projection, to tune ``fp8_gemm_config`` for decode-sized batches against cuBLAS.
 
 Every kernel's output is checked against the plain-torch reference before it is timed. Prints
 microseconds per projection, the four together, and each column's speed-up over bf16.
@@ -46,7 +46,7 @@ from nanovllm.kernels.fp8_gemm import (
 )
 
 
-def rowwise(x, w, w_scale, mm_only=False, x_q=None, fast=False):
+def rowwise(x, w, w_scale, mm_only=False, x_q=None, fast=True):
     if mm_only:
         q, s = x_q
     else:
@@ -84,29 +84,13 @@ MID_M_TILES = [
         (64, 64, 256, 4, 3, 4), (32, 64, 256, 4, 3, 2), (32, 128, 256, 4, 3, 2), (64, 128, 128, 4, 3, 1),
         (128, 64, 128, 4, 4, 1), (128, 64, 256, 4, 3, 2), (128, 128, 128, 8, 3, 1),
         (128, 128, 128, 8, 3, 2), (64, 256, 128, 8, 3, 1), (128, 256, 128, 8, 3, 1),
-        (256, 64, 128, 8, 3, 2), (256, 64, 128, 8, 3, 4), (256, 32, 128, 8, 4, 4), (128, 64, 256, 4, 3, 2),
-    ]
-]  # fmt: skip
-
-
-# the same through tensor descriptors (TMA), and larger tiles for 129-256 rows
-TMA_TILES = [
-    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
-    | dict(SPLIT_K=split, TMA=True)
-    for bm, bn, bk, warps, stages, split in [
-        (16, 32, 256, 4, 4, 1), (16, 32, 256, 4, 4, 2), (16, 64, 256, 4, 3, 1), (64, 64, 256, 4, 3, 1),
-        (64, 64, 256, 4, 3, 2), (64, 64, 256, 4, 3, 4), (64, 128, 128, 4, 3, 1), (64, 128, 256, 4, 3, 2),
-        (128, 64, 128, 4, 4, 1), (128, 128, 128, 8, 3, 1), (128, 128, 128, 4, 4, 1),
-        (128, 128, 256, 8, 2, 1), (128, 256, 128, 8, 3, 1), (64, 256, 128, 8, 3, 1),
-        (128, 128, 128, 8, 3, 2), (128, 128, 128, 8, 3, 4), (128, 64, 128, 4, 4, 2), (64, 128, 256, 4, 3, 4),
-        (256, 64, 128, 8, 3, 2), (256, 64, 128, 8, 3, 4), (256, 32, 128, 8, 4, 4), (128, 64, 256, 4, 3, 2),
     ]
 ]  # fmt: skip
 
 
 def sweep_tiles(rows: int) -> list[dict]:
     tiles = SMALL_M_TILES if rows <= 32 else MID_M_TILES if rows <= 256 else []
-    return tiles + TMA_TILES if tiles else []
+    return tiles
 
 
 def rowwise_triton(x, w, w_scale, x_q, config=None):
@@ -154,7 +138,7 @@ def main() -> None:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
             per_layer.append((w, quantize_weight_per_channel_ref(w), quantize_weight_blockwise_ref(w)))
         weights[name] = per_layer
-    columns = ["bf16", "rowwise", "rowwise mm", "mm fast acc", "rowwise triton", "block", "block mm"]
+    columns = ["bf16", "rowwise", "rowwise mm", "mm exact acc", "rowwise triton", "block", "block mm"]
     columns.append("block cublas")
     print(f"{torch.cuda.get_device_name()}, {args.shape}, {args.layers} layers' weights per graph, us")
     print(f"{'rows':>6} {'proj':>8} " + " ".join(f"{c:>13}" for c in columns))
@@ -172,7 +156,7 @@ def main() -> None:
                 "bf16": [partial(F.linear, x, w) for x, (w, _, _), _, _ in layers],
                 "rowwise": [partial(rowwise, x, *c) for x, (_, c, _), _, _ in layers],
                 "rowwise mm": [partial(rowwise, x, *c, True, q) for x, (_, c, _), q, _ in layers],
-                "mm fast acc": [partial(rowwise, x, *c, True, q, True) for x, (_, c, _), q, _ in layers],
+                "mm exact acc": [partial(rowwise, x, *c, True, q, False) for x, (_, c, _), q, _ in layers],
                 "rowwise triton": [partial(rowwise_triton, x, *c, q) for x, (_, c, _), q, _ in layers],
                 "block": [partial(block, x, *b) for x, (_, _, b), _, _ in layers],
                 "block mm": [partial(block, x, *b, True, g) for x, (_, _, b), _, g in layers],
@@ -183,7 +167,7 @@ def main() -> None:
                 try:
                     if column == "block cublas":
                         check(column, fns[0](), fp8_block_gemm_ref(*per_group[0], wb, sb, torch.bfloat16))
-                    if column in ("rowwise triton", "mm fast acc"):
+                    if column in ("rowwise triton", "mm exact acc"):
                         check(column, fns[0](), fp8_channel_gemm_ref(*per_row[0], wc, sc, torch.bfloat16))
                     times[column] = graph_us(fns, args.rep_ms)
                 except (RuntimeError, AssertionError, NotImplementedError) as e:

@@ -9,7 +9,6 @@ scales apply once to the sum. Decode-sized ``M`` may cut K into shares (split-K)
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.device import capability
 from nanovllm.kernels.fp8 import FP8, GROUP, OUT_DTYPES, dequantize_blockwise_ref
@@ -143,24 +142,6 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_tma_kernel(
-    a_desc, as_ptr, w_desc, ws_ptr, out_ptr, M, N, K, K_SHARE, stride_asm, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-):  # fmt: skip
-    """:func:`_fp8_gemm_kernel`'s per-channel product with the tiles brought in by tensor
-    descriptors (TMA on Hopper; zeros past the tensors' edges), the scales applied to the sum."""
-    first_m, first_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    k_start = tl.program_id(1) * K_SHARE
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, min(K, k_start + K_SHARE), BLOCK_K):  # a share: whole K steps
-        acc += tl.dot(a_desc.load([first_m, k0]), w_desc.load([first_n, k0]).T)
-    m = first_m + tl.arange(0, BLOCK_M)
-    n = first_n + tl.arange(0, BLOCK_N)
-    _store_tile(acc, m, n, M, N, as_ptr + m * stride_asm, ws_ptr + n, out_ptr, stride_om, False, SPLIT_K)
-
-
-@triton.jit(do_not_specialize=["M"])
 def _sum_shares_kernel(
     part_ptr, as_ptr, ws_ptr, out_ptr, M, N, stride_asm, stride_wsn, stride_om,
     W_ROWS_PER_SCALE: tl.constexpr, GROUP_SCALES: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -220,23 +201,6 @@ def _weight_scale_layout(w_scales: torch.Tensor, n: int, groups: int) -> tuple[i
     return None
 
 
-def tma_fits(a_fp8: torch.Tensor, w_fp8: torch.Tensor, w_scales: torch.Tensor, group_scales: bool) -> bool:
-    """Whether the tensor-descriptor kernel takes these operands: per-channel weight scales (one
-    per row), contiguous operands starting and with rows in whole 16-byte units, a GPU with TMA
-    (sm_90+; any device under the interpreter)."""
-    return (
-        not group_scales
-        and w_scales.numel() == w_fp8.shape[0]
-        and w_scales.is_contiguous()
-        and a_fp8.is_contiguous()
-        and w_fp8.is_contiguous()
-        and a_fp8.shape[1] % 16 == 0
-        and a_fp8.data_ptr() % 16 == 0
-        and w_fp8.data_ptr() % 16 == 0
-        and (not a_fp8.is_cuda or capability(a_fp8.device)[0] >= 9)
-    )
-
-
 def fp8_gemm(
     a_fp8: torch.Tensor,
     a_scales: torch.Tensor,
@@ -256,8 +220,7 @@ def fp8_gemm(
     (powers of two >= 16), ``BLOCK_K`` (a power of two >= 32, dividing 128 where the scales change
     along K), ``GROUP_M``,
     ``num_warps``, ``num_stages``, ``SPLIT_K`` (K cut into that many shares, each a program's, their
-    fp32 sums added by a second kernel: more programs to stream a weight at decode-sized ``m``),
-    ``TMA`` (tiles through tensor descriptors, where :func:`tma_fits`).
+    fp32 sums added by a second kernel: more programs to stream a weight at decode-sized ``m``).
     On CUDA it needs float8 tensor cores (sm_89+)."""
     if a_fp8.dtype != FP8 or w_fp8.dtype != FP8:
         raise ValueError(f"a_fp8 and w_fp8 must be float8_e4m3fn: {a_fp8.dtype}, {w_fp8.dtype}")
@@ -289,8 +252,6 @@ def fp8_gemm(
         raise ValueError(f"BLOCK_K must be a power of two >= 32 (dividing {GROUP} with groups): {block_k}")
     if not isinstance(cfg.get("SPLIT_K", 1), int) or cfg.get("SPLIT_K", 1) < 1:
         raise ValueError(f"SPLIT_K must be a positive integer: {cfg['SPLIT_K']}")
-    if cfg.get("TMA") and not tma_fits(a_fp8, w_fp8, w_scales, group_scales):
-        raise ValueError("TMA needs per-channel weight scales, contiguous operands and 16-byte rows")
     out = torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
     if not m or not n:
         return out
@@ -300,19 +261,12 @@ def fp8_gemm(
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
     k_share = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
-    if cfg.pop("TMA", False):
-        _fp8_gemm_tma_kernel[grid](
-            TensorDescriptor.from_tensor(a_fp8, [cfg["BLOCK_M"], block_k]), a_scales,
-            TensorDescriptor.from_tensor(w_fp8, [cfg["BLOCK_N"], block_k]), w_scales.view(-1),
-            target, m, n, k, k_share, a_scales.stride(0), out.stride(0), **cfg,
-        )  # fmt: skip
-    else:
-        _fp8_gemm_kernel[grid](
-            a_fp8, a_scales, w_fp8, w_scales, target, m, n, k, k_share,
-            a_fp8.stride(0), a_scales.stride(0), a_group_stride, w_fp8.stride(0),
-            w_row_stride, w_group_stride, out.stride(0),
-            SCALE_GROUP=GROUP, W_ROWS_PER_SCALE=rows_per_scale, GROUP_SCALES=group_scales, **cfg,
-        )  # fmt: skip
+    _fp8_gemm_kernel[grid](
+        a_fp8, a_scales, w_fp8, w_scales, target, m, n, k, k_share,
+        a_fp8.stride(0), a_scales.stride(0), a_group_stride, w_fp8.stride(0),
+        w_row_stride, w_group_stride, out.stride(0),
+        SCALE_GROUP=GROUP, W_ROWS_PER_SCALE=rows_per_scale, GROUP_SCALES=group_scales, **cfg,
+    )  # fmt: skip
     if split > 1:
         _sum_shares_kernel[(m, triton.cdiv(n, _SUM_BLOCK))](
             target, a_scales, w_scales, out, m, n, a_scales.stride(0), w_row_stride, out.stride(0),

@@ -15,10 +15,10 @@ On CPU the product is computed in float64: products of e4m3 values are exact the
 their sums over up to 2,048 input features, so the result does not depend on how a matrix library
 orders them (the tests' oracle rounds the same way). On CUDA the input is quantized by a Triton
 kernel and the product runs on fp8 tensor cores with fp32 sums: per-channel weights through
-cuBLAS (``torch._scaled_mm`` with row-wise scales) from :data:`CUBLAS_MIN_ROWS` rows, below that
-and for block scales the Triton GEMM of ``kernels/fp8_gemm.py`` (``benchmarks/bench_fp8.py --sweep``:
-to 64 rows it reads the weight 1.4-1.6x faster than cuBLAS, at 128 rows they tie, from 256 cuBLAS
-is ahead)."""
+cuBLAS (``torch._scaled_mm`` with row-wise scales, fast accumulation) from :data:`CUBLAS_MIN_ROWS`
+rows, below that and for block scales the Triton GEMM of ``kernels/fp8_gemm.py``
+(``benchmarks/bench_fp8.py --sweep``: to 64 rows it reads the weight 1.4-1.6x faster than cuBLAS,
+at 128 rows they tie, from 192 cuBLAS is ahead)."""
 
 from typing import NamedTuple
 
@@ -95,7 +95,11 @@ def fp8_linear(
     else:
         aligned = not (k % CUBLAS_ALIGN or n % CUBLAS_ALIGN)
         if m >= CUBLAS_MIN_ROWS and dtype == torch.bfloat16 and aligned:
-            y = torch._scaled_mm(x_fp8, weight.T, x_scale, scale.view(1, n), out_dtype=dtype)
+            # sums kept in the tensor cores' accumulator across K, as the Triton GEMM keeps them:
+            # 1.13-1.16x cuBLAS's periodic fp32 promotion from 192 rows (benchmarks/bench_fp8.py)
+            y = torch._scaled_mm(
+                x_fp8, weight.T, x_scale, scale.view(1, n), out_dtype=dtype, use_fast_accum=True
+            )
         else:
             y = fp8_gemm(x_fp8, x_scale, weight, scale, dtype)
     if bias is not None:
