@@ -96,7 +96,7 @@ def fp8_linear(
         aligned = not (k % CUBLAS_ALIGN or n % CUBLAS_ALIGN)
         if m >= CUBLAS_MIN_ROWS and dtype == torch.bfloat16 and aligned:
             # sums kept in the tensor cores' accumulator across K, as the Triton GEMM keeps them:
-            # 1.13-1.16x cuBLAS's periodic fp32 promotion from 192 rows (benchmarks/bench_fp8.py)
+            # 1.05-1.16x cuBLAS's periodic fp32 promotion from 192 rows (benchmarks/bench_fp8.py)
             y = torch._scaled_mm(
                 x_fp8, weight.T, x_scale, scale.view(1, n), out_dtype=dtype, use_fast_accum=True
             )
