@@ -89,8 +89,7 @@ MID_M_TILES = [
 
 
 def sweep_tiles(rows: int) -> list[dict]:
-    tiles = SMALL_M_TILES if rows <= 32 else MID_M_TILES if rows <= 256 else []
-    return tiles
+    return SMALL_M_TILES if rows <= 32 else MID_M_TILES if rows <= 256 else []
 
 
 def rowwise_triton(x, w, w_scale, x_q, config=None):
@@ -105,7 +104,7 @@ def best_tile(tiles, layers, rep_ms: int, expected: torch.Tensor) -> tuple[float
         fns = [partial(rowwise_triton, x, *c, q, tile) for x, (_, c, _), q, _ in layers]
         try:
             check("rowwise triton", fns[0](), expected)
-        except (RuntimeError, AssertionError, ValueError) as e:  # a tile that does not fit here
+        except (RuntimeError, AssertionError) as e:  # a tile that does not fit here
             print(f"  tile {tile}: {str(e).splitlines()[0][:120]}")
             continue
         best = min(best, (graph_us(fns, rep_ms), tile), key=lambda t: t[0])
@@ -138,8 +137,9 @@ def main() -> None:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
             per_layer.append((w, quantize_weight_per_channel_ref(w), quantize_weight_blockwise_ref(w)))
         weights[name] = per_layer
-    columns = ["bf16", "rowwise", "rowwise mm", "mm exact acc", "rowwise triton", "block", "block mm"]
-    columns.append("block cublas")
+    columns = [
+        "bf16", "rowwise", "rowwise mm", "mm exact acc", "rowwise triton", "block", "block mm", "block cublas"
+    ]  # fmt: skip
     print(f"{torch.cuda.get_device_name()}, {args.shape}, {args.layers} layers' weights per graph, us")
     print(f"{'rows':>6} {'proj':>8} " + " ".join(f"{c:>13}" for c in columns))
     for rows in map(int, args.rows.split(",")):

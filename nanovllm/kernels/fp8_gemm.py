@@ -81,26 +81,6 @@ def _tile_origin(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
     return pid_m * BLOCK_M, pid_n * BLOCK_N
 
 
-@triton.jit
-def _store_tile(
-    acc, m, n, M, N, as_ptrs, ws_ptrs, out_ptr, stride_om, SCALED: tl.constexpr, SPLIT_K: tl.constexpr
-):
-    """A tile's fp32 sum: a split-K share's unscaled to ``out_ptr[program_id(1)]`` (``[SPLIT_K,
-    M, N]``, for :func:`_sum_shares_kernel`), else times the row and column scales (unless
-    ``SCALED`` already) to ``out_ptr``."""
-    m_ok, n_ok = m < M, n < N
-    mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K > 1:
-        rows = tl.program_id(1).to(tl.int64) * M + m  # of the [SPLIT_K * M, N] shares
-        tl.store(out_ptr + rows[:, None] * N + n[None, :], acc, mask=mask)
-    else:
-        if not SCALED:
-            a_s = tl.load(as_ptrs, mask=m_ok, other=0.0)
-            acc = acc * a_s[:, None] * tl.load(ws_ptrs, mask=n_ok, other=0.0)[None, :]
-        out_ptrs = out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, K_SHARE,
@@ -138,7 +118,16 @@ def _fp8_gemm_kernel(
             acc += tl.dot(a, w.T)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    _store_tile(acc, m, n, M, N, as_ptrs, ws_ptrs, out_ptr, stride_om, GROUP_SCALES, SPLIT_K)
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K > 1:  # the share's unscaled sum, for _sum_shares_kernel
+        rows = tl.program_id(1).to(tl.int64) * M + m  # of the [SPLIT_K * M, N] shares
+        tl.store(out_ptr + rows[:, None] * N + n[None, :], acc, mask=mask)
+    else:
+        if not GROUP_SCALES:
+            a_s = tl.load(as_ptrs, mask=m_ok, other=0.0)
+            acc = acc * a_s[:, None] * tl.load(ws_ptrs, mask=n_ok, other=0.0)[None, :]
+        out_ptrs = out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -218,9 +207,9 @@ def fp8_gemm(
     ``a_fp8`` and ``w_fp8`` need a unit stride in their last dimension; the scales may have any
     strides. ``config`` overrides :func:`fp8_gemm_config`'s tiles: ``BLOCK_M``, ``BLOCK_N``
     (powers of two >= 16), ``BLOCK_K`` (a power of two >= 32, dividing 128 where the scales change
-    along K), ``GROUP_M``,
-    ``num_warps``, ``num_stages``, ``SPLIT_K`` (K cut into that many shares, each a program's, their
-    fp32 sums added by a second kernel: more programs to stream a weight at decode-sized ``m``).
+    along K), ``GROUP_M``, ``num_warps``, ``num_stages``, ``SPLIT_K`` (K cut into that many shares,
+    each a program's, their fp32 sums added by a second kernel: more programs to stream a weight at
+    decode-sized ``m``).
     On CUDA it needs float8 tensor cores (sm_89+)."""
     if a_fp8.dtype != FP8 or w_fp8.dtype != FP8:
         raise ValueError(f"a_fp8 and w_fp8 must be float8_e4m3fn: {a_fp8.dtype}, {w_fp8.dtype}")
