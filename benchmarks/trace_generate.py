@@ -1,6 +1,7 @@
 """Where the bench workload's wall time goes, step by step (CUDA).
 
     PYTHONPATH=. python3 benchmarks/trace_generate.py [--shape qwen3-8b --num-seqs 1024] [--runs 2]
+                                                   [--fresh-prompts]
 
 Runs bench.py's workload like bench.py does and, per timed run, prints: prefill, mixed and
 decode steps with their wall time; the GPU's time from each kind of step's start to its end,
@@ -19,7 +20,7 @@ from collections import defaultdict, deque
 
 import torch
 
-from bench import workload
+from bench import prompts_by_run, workload
 from benchmarks.engines import given_options
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo_models import SHAPES, write_config
@@ -120,6 +121,7 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--fresh-prompts", action="store_true", help="as bench.py's: new prompts each run")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=None, help="the engine's (default: its own)")
@@ -150,7 +152,7 @@ def main() -> None:
     host, spans = tracer.host, tracer.spans
     steps: list[tuple[float, str, int, int]] = []
 
-    for run in range(1, args.runs + 1):
+    for run, run_prompts in enumerate(prompts_by_run(args, prompts), start=1):
         steps.clear()
         spans.clear()
         host.clear()
@@ -158,7 +160,7 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_stats()
         t0 = time.perf_counter()
-        llm.add_requests(prompts, params)  # the loop of generate, each step timed
+        llm.add_requests(run_prompts, params)  # the loop of generate, each step timed
         while not llm.is_finished():
             start = time.perf_counter()
             out = llm.step()

@@ -1,6 +1,7 @@
 """SwiGLU's ``silu(gate) * up`` on a fused gate/up projection whose gate and up columns are
-interleaved (gate ``j`` at ``2j``, up ``j`` at ``2j + 1``, as the engine stores the weight), one
-pass over memory; and the same rounded to FP8 per token for a down projection with FP8 weights
+interleaved (gate ``j`` at ``2j``, up ``j`` at ``2j + 1``, as the engine stores the weight) or, for
+FP8 checkpoints' 128 x 128 blocks, side by side (gate ``j`` at ``j``, up ``j`` at ``size + j``),
+one pass over memory; and the same rounded to FP8 per token for a down projection with FP8 weights
 (the row held whole where it fits, else a pass for its largest magnitude and a second to store,
 split over a few programs per token at small batches)."""
 
@@ -20,10 +21,13 @@ _FP8_TILES_FEW = (4096, 16, 3)
 _FP8_TILES_MANY = (2048, 8, 1)
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """``x``: ``[tokens, 2 * size]``, gate and up interleaved. Returns ``[tokens, size]``:
-    silu(gate) * up, each of the two ops rounded to ``x.dtype`` as Hugging Face's MLP rounds
-    them."""
+def silu_and_mul_ref(x: torch.Tensor, halves: bool = False) -> torch.Tensor:
+    """``x``: ``[tokens, 2 * size]``, gate and up interleaved (``halves``: gate then up). Returns
+    ``[tokens, size]``: silu(gate) * up, each of the two ops rounded to ``x.dtype`` as Hugging
+    Face's MLP rounds them."""
+    if halves:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
     return F.silu(x[..., 0::2]) * x[..., 1::2]
 
 
@@ -36,15 +40,15 @@ def silu_and_mul_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _swiglu(row_ptr, cols, mask, PAIRED: tl.constexpr):
+def _swiglu(row_ptr, cols, mask, up_offset, PAIRED: tl.constexpr, STEP: tl.constexpr):
     """silu(gate) * up of columns ``cols`` of one row, each op rounded to the row's dtype, in
-    fp32 (0 where masked)."""
-    if PAIRED:  # one [BLOCK, 2] load of (gate, up) pairs
+    fp32 (0 where masked). Gate ``j`` at ``STEP * j``, up ``j`` ``up_offset`` after it."""
+    if PAIRED:  # interleaved: one [BLOCK, 2] load of (gate, up) pairs
         pairs = tl.load(row_ptr + 2 * cols[:, None] + tl.arange(0, 2)[None, :], mask=mask[:, None], other=0.0)
         gate, up = tl.split(pairs.to(tl.float32))
-    else:  # two strided loads, the second from the sectors the first brought in
-        gate = tl.load(row_ptr + 2 * cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(row_ptr + 2 * cols + 1, mask=mask, other=0.0).to(tl.float32)
+    else:  # two loads (interleaved: the second from the sectors the first brought in)
+        gate = tl.load(row_ptr + STEP * cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(row_ptr + STEP * cols + up_offset, mask=mask, other=0.0).to(tl.float32)
     dtype = row_ptr.dtype.element_ty
     # silu rounded to the activation dtype before the product, as the reference does
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -52,11 +56,16 @@ def _swiglu(row_ptr, cols, mask, PAIRED: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.constexpr, HALVES: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
-    h = _swiglu(x_ptr + row * stride_x, cols, mask, True)
+    if HALVES:
+        h = _swiglu(x_ptr + row * stride_x, cols, mask, size, False, 1)
+    else:
+        h = _swiglu(x_ptr + row * stride_x, cols, mask, 1, True, 2)
     tl.store(out_ptr + row * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -80,24 +89,24 @@ def _silu_and_mul_fp8_kernel(
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * size
     if WHOLE_ROW:
         cols = tl.arange(0, BLOCK)
-        h = _swiglu(x_row, cols, cols < size, PAIRED)
+        h = _swiglu(x_row, cols, cols < size, 1, PAIRED, 2)
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(h), axis=0), FMAX), SMIN)
         _store_fp8(q_row, cols, cols < size, h, scale, FMAX)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, size, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(_swiglu(x_row, cols, cols < size, PAIRED)))
+            amax = tl.maximum(amax, tl.abs(_swiglu(x_row, cols, cols < size, 1, PAIRED, 2)))
         scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FMAX), SMIN)
         first = tl.program_id(1) * chunk
         for start in range(first, min(size, first + chunk), BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            _store_fp8(q_row, cols, cols < size, _swiglu(x_row, cols, cols < size, PAIRED), scale, FMAX)
+            _store_fp8(q_row, cols, cols < size, _swiglu(x_row, cols, cols < size, 1, PAIRED, 2), scale, FMAX)
     if tl.program_id(1) == 0:
         tl.store(s_ptr + row, scale)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, halves: bool = False) -> torch.Tensor:
     """Triton version of :func:`silu_and_mul_ref` (same semantics); ``x`` needs unit stride in
     its last dimension."""
     if x.shape[-1] % 2:
@@ -110,7 +119,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if out.numel():
         grid = (x2d.shape[0], triton.cdiv(size, _BLOCK))
         _silu_and_mul_kernel[grid](
-            x2d, out, size, x2d.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=_NUM_WARPS
+            x2d, out, size, x2d.stride(0), out.stride(0), BLOCK=_BLOCK, HALVES=halves, num_warps=_NUM_WARPS
         )
     return out.view(*x.shape[:-1], size)
 

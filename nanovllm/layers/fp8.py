@@ -7,18 +7,20 @@ fly, as vLLM's dynamic FP8 does. Three layouts:
   the e4m3 weight as stored, the tensor's scale given to each of its rows, so the layer is the
   ``"fp8"`` one (packed q/k/v or gate/up parts keep their own scales).
 - ``"fp8_block"`` (FP8 checkpoints, ``weight_block_size: [128, 128]``, as Qwen3-*-FP8): the
-  checkpoint's e4m3 weight as stored, its ``weight_scale_inv`` of each 128 x 128 block kept per
-  output row (``[rows, ceil(in / 128)]``, so that rows can be split and interleaved like the
-  weight's); the input one scale per token and 128 features.
+  checkpoint's e4m3 weight as stored, its ``weight_scale_inv`` one row per 128 x 128 block
+  (``[out / 128, ceil(in / 128)]``) where each 128 rows of the rank's weight are one block's rows,
+  else one row per output row (``[out, ceil(in / 128)]``: a rank's part of a block); the input one
+  scale per token and 128 features.
 
 On CPU the product is computed in float64: products of e4m3 values are exact there, and so are
 their sums over up to 2,048 input features, so the result does not depend on how a matrix library
 orders them (the tests' oracle rounds the same way). On CUDA the input is quantized by a Triton
 kernel and the product runs on fp8 tensor cores with fp32 sums: per-channel weights through
 cuBLAS (``torch._scaled_mm`` with row-wise scales, fast accumulation) from :data:`CUBLAS_MIN_ROWS`
-rows, below that and for block scales the Triton GEMM of ``kernels/fp8_gemm.py``
-(``benchmarks/bench_fp8.py --sweep``: to 64 rows it reads the weight 1.4-1.6x faster than cuBLAS,
-at 128 rows they tie, from 192 cuBLAS is ahead)."""
+rows, below that the Triton GEMM of ``kernels/fp8_gemm.py`` (``benchmarks/bench_fp8.py --sweep``:
+to 64 rows it reads the weight 1.4-1.6x faster than cuBLAS, at 128 rows they tie, from 192 cuBLAS
+is ahead); block scales kept per block through cuBLAS's 1 x 128 / 128 x 128 scaled product from
+:data:`CUBLAS_BLOCK_MIN_ROWS` rows, else (and per row) the Triton GEMM."""
 
 from typing import NamedTuple
 
@@ -56,7 +58,9 @@ class QuantizedActivation(NamedTuple):
 
 
 CUBLAS_MIN_ROWS = 129
+CUBLAS_BLOCK_MIN_ROWS = 64
 CUBLAS_ALIGN = 16  # cuBLAS's fp8 GEMMs need both matrix widths divisible by 16
+CUBLAS_BLOCK_ROW_ALIGN = 4  # block-scaled: the column-major activation scales' rows 16-byte aligned
 
 
 def quantize_weight(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,17 +132,43 @@ def block_scales_per_row(scale_inv: torch.Tensor, rows: int | None = None) -> to
 def fp8_block_linear(
     x: torch.Tensor | QuantizedActivation,
     weight: torch.Tensor,
-    row_scales: torch.Tensor,
+    scales: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """``x @ dequant(weight).T (+ bias)``: ``x`` rounded to FP8 per token and 128 features (unless
-    it comes rounded), the weight's groups of 128 input features scaled by ``row_scales [out,
-    groups]``, in the model dtype."""
+    it comes rounded), the weight's groups of 128 input features scaled by ``scales``, one row per
+    128 x 128 block (``[out / 128, groups]``) or per output row (``[out, groups]``), in the model
+    dtype."""
     x_fp8, x_scales, dtype, lead = _rows(x, GROUP)
-    if x_fp8.is_cuda:
-        y = fp8_gemm(x_fp8, x_scales, weight, row_scales, dtype)
-    else:
+    (m, k), n = x_fp8.shape, weight.shape[0]
+    per_block = scales.shape[0] != n
+    whole_blocks = not (k % GROUP or n % GROUP)
+    cublas = per_block and whole_blocks and m >= CUBLAS_BLOCK_MIN_ROWS and dtype == torch.bfloat16
+    if not x_fp8.is_cuda:
+        row_scales = block_scales_per_row(scales, n) if per_block else scales
         y = fp8_row_group_gemm_ref(x_fp8, x_scales, weight, row_scales, dtype)
+    elif cublas:
+        y = _cublas_block_product(x_fp8, x_scales, weight, scales, dtype)
+    else:
+        y = fp8_gemm(x_fp8, x_scales, weight, scales, dtype)
     if bias is not None:
         y = y + bias
-    return y.view(*lead, weight.shape[0])
+    return y.view(*lead, n)
+
+
+def _cublas_block_product(
+    x_fp8: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, dtype
+) -> torch.Tensor:
+    """cuBLAS's product with 1 x 128 activation and 128 x 128 weight scales: it takes the
+    activation scales column-major, the weight's ``[out / 128, groups]`` contiguous and
+    transposed, and rows in multiples of :data:`CUBLAS_BLOCK_ROW_ALIGN` (others padded with zeros
+    here: 1.3-1.5x bf16 from 192 rows, where the Triton block GEMM is 0.8-0.9x)."""
+    m, k = x_fp8.shape
+    rows = -(-m // CUBLAS_BLOCK_ROW_ALIGN) * CUBLAS_BLOCK_ROW_ALIGN
+    if rows != m:
+        padding = x_fp8.new_zeros(rows - m, k, dtype=torch.uint8)
+        x_fp8 = torch.cat([x_fp8.view(torch.uint8), padding]).view(FP8)
+    col_major = x_scales.new_ones(x_scales.shape[1], rows)
+    col_major[:, :m] = x_scales.t()
+    y = torch._scaled_mm(x_fp8, weight.T, col_major.t(), scales.t(), out_dtype=dtype)
+    return y[:m]

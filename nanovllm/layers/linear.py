@@ -33,7 +33,8 @@ class LinearBase(nn.Module):
         if quant == "fp8_block":  # see layers/fp8.py
             self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8), requires_grad=False)
             groups = -(-input_size // GROUP)
-            self.weight_scale_inv = nn.Parameter(torch.ones(output_size, groups), requires_grad=False)
+            rows = output_size // GROUP if self.rows_in_whole_blocks(output_size) else output_size
+            self.weight_scale_inv = nn.Parameter(torch.ones(rows, groups), requires_grad=False)
             self.weight.weight_loader = self.fp8_block_weight_loader
             self.weight_scale_inv.weight_loader = self.fp8_block_scale_loader
         elif quant in PER_ROW_SCALED:
@@ -54,6 +55,11 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+
+    def rows_in_whole_blocks(self, output_size: int) -> bool:
+        """Whether each 128 rows of this rank's weight are rows of one 128 x 128 block of an FP8
+        checkpoint's tensor (their scales then kept one row per block, as stored)."""
+        return output_size % GROUP == 0
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if self.tp_dim is not None and not (self.tp_dim == 1 and param.dim() == 1):
@@ -100,10 +106,17 @@ class LinearBase(nn.Module):
         type(self).weight_loader(self, param, loaded, *shard_id)
 
     def fp8_block_scale_loader(self, param: nn.Parameter | None, loaded: torch.Tensor, *shard_id) -> None:
-        """A checkpoint's ``weight_scale_inv`` blocks, spread to one row per output row, then
-        routed as the weight's rows are (a part's rows must be a multiple of 128)."""
+        """A checkpoint's ``weight_scale_inv`` blocks, spread to one row per output row and routed
+        as the weight's rows are (a part's rows must be a multiple of 128); kept per row, or per
+        block again where this rank's rows come in whole blocks."""
         param = self.weight_scale_inv if param is None else param
-        type(self).weight_loader(self, param, block_scales_per_row(loaded), *shard_id)
+        if param.shape[0] == self.weight.shape[0]:
+            type(self).weight_loader(self, param, block_scales_per_row(loaded), *shard_id)
+            return
+        rows = block_scales_per_row(param.data)  # the other parts' scales kept as they are
+        type(self).weight_loader(self, rows, block_scales_per_row(loaded), *shard_id)
+        if not param.is_meta:
+            param.data.copy_(rows[::GROUP])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == FP8:
@@ -152,6 +165,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = divide(num_heads, tp.size)
         self.num_kv_heads = divide(num_kv_heads, tp.size)
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp, quant)
+
+    def rows_in_whole_blocks(self, output_size: int) -> bool:
+        return self.num_heads * self.head_dim % GROUP == 0 and self.num_kv_heads * self.head_dim % GROUP == 0
 
     def part_rows(self, shard_id: str) -> int:
         heads = self.num_heads if shard_id == "q" else self.num_kv_heads

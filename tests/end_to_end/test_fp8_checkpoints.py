@@ -33,7 +33,20 @@ def test_an_fp8_block_checkpoint_loads_as_stored_and_matches_its_dequantized_twi
         assert llm.config.quantization == "fp8"
         stored = llm.apply_model(lambda model: model.model.layers[0].self_attn.o_proj.weight.dtype)
         assert stored == [torch.float8_e4m3fn] * tp
+        # scales one row per 128 x 128 block where a rank's rows are whole blocks (q, k and v
+        # parts of 256, 128 and 128 rows at TP 1; k and v of 64 rows each at TP 2 keep per-row
+        # scales), gate and up then side by side
+        scale_rows = llm.apply_model(lambda model: [rows_of_scales(model, name) for name in PROJECTIONS])
+        want = [(4, 1), (1, 2), (4, 1), (1, 2)] if tp == 1 else [(256, 1), (1, 1), (2, 1), (1, 1)]
+        assert scale_rows == [want] * tp
         assert_close_to_twin(twin, prompts, llm)
+
+
+PROJECTIONS = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+
+
+def rows_of_scales(model, name: str) -> tuple[int, int]:
+    return tuple(model.model.layers[0].get_submodule(name).weight_scale_inv.shape)
 
 
 MOE_MODEL = dict(

@@ -80,10 +80,11 @@ def check_channel_gemm(args, out_dtype, rel, products=None):
         assert (err <= tol).all(), f"max error {err.max().item():.3g}"
 
 
-def check_gemm(args, out_dtype, rel, config=None):
-    """Kernel vs reference, errors bounded relative to the sum of absolute terms; a 16-bit output
-    also within one ulp of the fp32 reference rounded to it (the interpreter truncates to bf16)."""
-    out = gemm.fp8_gemm(*args, out_dtype, config=config)
+def check_gemm(args, out_dtype, rel, config=None, got=None):
+    """Kernel (or ``got``) vs reference, errors bounded relative to the sum of absolute terms; a
+    16-bit output also within one ulp of the fp32 reference rounded to it (the interpreter
+    truncates to bf16)."""
+    out = gemm.fp8_gemm(*args, out_dtype, config=config) if got is None else got
     ref32 = gemm.fp8_block_gemm_ref(*args, torch.float32)
     assert out.dtype == out_dtype and out.shape == ref32.shape
     assert torch.equal(gemm.fp8_block_gemm_ref(*args, out_dtype), ref32.to(out_dtype))
@@ -262,3 +263,22 @@ def test_fp8_layer_on_cuda_matches_reference(m):
     a_fp8, a_scale = fp8.quantize_per_token_group_ref(x, group=4096)
     got = fp8_linear(x, w_fp8, w_scale, None)
     check_channel_gemm([a_fp8, a_scale, w_fp8, w_scale], torch.bfloat16, GPU_GEMM_REL, products=[got])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 63, 64, 65, 130, 512, 1001])
+def test_fp8_block_layer_on_cuda_matches_reference(m):
+    """The block-scaled layer's CUDA path (the Triton GEMM below ``CUBLAS_BLOCK_MIN_ROWS`` rows,
+    cuBLAS's block-scaled product from there, rows padded to a multiple of 4) against the
+    reference, with the scales per block and per row."""
+    from nanovllm.layers.fp8 import block_scales_per_row, fp8_block_linear
+
+    gen = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, 4096, generator=gen) * torch.logspace(-1, 1, m)[:, None]).to("cuda", torch.bfloat16)
+    w = torch.randn(6144, 4096, generator=gen) * 0.05
+    w_fp8, w_scale_inv = [t.cuda() for t in fp8.quantize_weight_blockwise_ref(w)]
+    a_fp8, a_scales = fp8.quantize_per_token_group_ref(x)
+    for scales in (w_scale_inv, block_scales_per_row(w_scale_inv, 6144)):
+        got = fp8_block_linear(x, w_fp8, scales, None)
+        check_gemm([a_fp8, a_scales, w_fp8, w_scale_inv], torch.bfloat16, GPU_GEMM_REL, got=got)
