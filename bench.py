@@ -111,10 +111,19 @@ def model_dir(args) -> tuple[str, bool]:
         start = time.perf_counter()
         eos = write_large_tokenizer(path, SHAPES[args.shape]["vocab_size"])
         print(f"tokenizer: {time.perf_counter() - start:.1f} s", flush=True)
-        write_config(path, args.shape, eos_token_id=eos)
+        write_config(path, args.shape, eos_token_id=eos, **checkpoint_quantization(args))
     else:
-        write_config(path, args.shape)
+        write_config(path, args.shape, **checkpoint_quantization(args))
     return path, True
+
+
+def checkpoint_quantization(args) -> dict:
+    """``--fp8-checkpoint``: the random-weight folder's config declares an FP8 checkpoint with
+    128 x 128 block scales, as Qwen3-*-FP8's does, so each engine builds its block-scaled layers."""
+    if not args.fp8_checkpoint:
+        return {}
+    block = dict(quant_method="fp8", activation_scheme="dynamic", fmt="e4m3", weight_block_size=[128, 128])
+    return dict(quantization_config=block)
 
 
 def child_argv(argv: list[str], per_child: tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
@@ -153,6 +162,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", default="auto", help='"auto" or "fp8" (nanovllm and vLLM)')
     parser.add_argument(
         "--quantization", default=None, help='None or "fp8": weights in float8 (nanovllm and vLLM)'
+    )
+    parser.add_argument(
+        "--fp8-checkpoint",
+        action="store_true",
+        help="random weights of an FP8 checkpoint with 128 x 128 block scales (nanovllm and vLLM)",
     )
     parser.add_argument(
         "--max-num-seqs", type=int, default=None, help="running requests at most (default: each engine's own)"
@@ -232,8 +246,10 @@ def parse_args() -> argparse.Namespace:
     engines = args.engine.split(",")
     if unknown := [e for e in engines if e not in ENGINES]:
         parser.error(f"unknown engine(s) {unknown}; choose from {list(ENGINES)}")
-    if args.quantization and "hf" in engines:
+    if (args.quantization or args.fp8_checkpoint) and "hf" in engines:
         parser.error("--quantization: the hf engine runs the checkpoint's dtype (use nanovllm and/or vllm)")
+    if args.fp8_checkpoint and (args.model or args.quantization):
+        parser.error("--fp8-checkpoint writes its own random-weight checkpoint: no --model or --quantization")
     if args.structured != "none" and "hf" in engines:
         parser.error("--structured: the hf engine has no structured outputs (use nanovllm and/or vllm)")
     if args.latency:
