@@ -13,8 +13,9 @@ For each projection of the shape (qkv, o, gate_up, down), timed as a CUDA-graph 
   ``mm exact acc`` the product with cuBLAS's periodic promotion to a full fp32 sum;
 - ``block``: per-token-and-128 quantization then the Triton block-scaled GEMM
   (``fp8_gemm``), as an FP8 checkpoint's layers would run; ``block mm`` the GEMM alone;
-- ``block cublas``: the same product through ``torch._scaled_mm``'s 1x128 / 128x128 block scales,
-  where this torch and cuBLAS have them.
+- ``block layer``: the engine's block-scaled layer (``fp8_block_linear`` with the scales per block:
+  the quantizer, then the Triton GEMM below ``CUBLAS_BLOCK_MIN_ROWS`` rows and from there
+  ``torch._scaled_mm``'s 1x128 / 128x128 block-scaled product, rows padded to a multiple of 4).
 
 - ``rowwise triton``: the per-channel product through the Triton GEMM (``fp8_gemm`` with its
   default tiles), as the engine runs per-channel layers below 129 rows; ``--sweep`` also tries
@@ -44,6 +45,7 @@ from nanovllm.kernels.fp8_gemm import (
     fp8_channel_gemm_ref,
     fp8_gemm,
 )
+from nanovllm.layers.fp8 import fp8_block_linear
 
 
 def rowwise(x, w, w_scale, mm_only=False, x_q=None, fast=True):
@@ -58,14 +60,6 @@ def rowwise(x, w, w_scale, mm_only=False, x_q=None, fast=True):
 def block(x, w, w_scale_inv, mm_only=False, x_q=None):
     q, s = x_q if mm_only else quantize_per_token_group(x, group=GROUP)
     return fp8_gemm(q, s, w, w_scale_inv, torch.bfloat16)
-
-
-def block_cublas(x, w, w_scale_inv, x_q=None):
-    q, s = x_q
-    # cuBLAS wants the activation scales column-major ([M, K/128] with stride (1, M))
-    return torch._scaled_mm(
-        q, w.T, scale_a=s.t().contiguous().t(), scale_b=w_scale_inv.t(), out_dtype=torch.bfloat16
-    )
 
 
 # fp8_gemm tiles tried by --sweep: up to 32 rows, and 33 to 256 (cuBLAS's range in the engine)
@@ -138,7 +132,7 @@ def main() -> None:
             per_layer.append((w, quantize_weight_per_channel_ref(w), quantize_weight_blockwise_ref(w)))
         weights[name] = per_layer
     columns = [
-        "bf16", "rowwise", "rowwise mm", "mm exact acc", "rowwise triton", "block", "block mm", "block cublas"
+        "bf16", "rowwise", "rowwise mm", "mm exact acc", "rowwise triton", "block", "block mm", "block layer"
     ]  # fmt: skip
     print(f"{torch.cuda.get_device_name()}, {args.shape}, {args.layers} layers' weights per graph, us")
     print(f"{'rows':>6} {'proj':>8} " + " ".join(f"{c:>13}" for c in columns))
@@ -160,12 +154,12 @@ def main() -> None:
                 "rowwise triton": [partial(rowwise_triton, x, *c, q) for x, (_, c, _), q, _ in layers],
                 "block": [partial(block, x, *b) for x, (_, _, b), _, _ in layers],
                 "block mm": [partial(block, x, *b, True, g) for x, (_, _, b), _, g in layers],
-                "block cublas": [partial(block_cublas, x, *b, g) for x, (_, _, b), _, g in layers],
+                "block layer": [partial(fp8_block_linear, x, *b, None) for x, (_, _, b), _, _ in layers],
             }
             times = {}
             for column, fns in calls.items():
                 try:
-                    if column == "block cublas":
+                    if column == "block layer":
                         check(column, fns[0](), fp8_block_gemm_ref(*per_group[0], wb, sb, torch.bfloat16))
                     if column in ("rowwise triton", "mm exact acc"):
                         check(column, fns[0](), fp8_channel_gemm_ref(*per_row[0], wc, sc, torch.bfloat16))
