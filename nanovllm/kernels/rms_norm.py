@@ -1,6 +1,6 @@
 """RMSNorm, optionally after the residual add, and its output rounded to FP8 per token for
-projections with per-channel FP8 weights (one program per token: the row stays in registers from
-the add to the rounding)."""
+projections with per-channel FP8 weights, or per token and 128 features for block-scaled ones
+(one program per token: the row stays in registers from the add to the rounding)."""
 
 import torch
 import triton
@@ -29,23 +29,31 @@ def add_rms_norm_ref(
 
 
 def rms_norm_fp8_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    group: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The norm (after the residual add when ``residual`` is given) rounded to FP8 per token:
-    ``(values [tokens, hidden] e4m3, scale [tokens, 1] float32, x + residual or None)``."""
+    """The norm (after the residual add when ``residual`` is given) rounded to FP8 per token, or
+    per token and ``group`` features: ``(values [tokens, hidden] e4m3, scale [tokens, 1] or
+    [tokens, ceil(hidden / group)] float32, x + residual or None)``."""
     if residual is not None:
         normed, residual = add_rms_norm_ref(x, residual, weight, eps)
     else:
         normed = rms_norm_ref(x, weight, eps)
     rows = normed.reshape(-1, normed.shape[-1])
-    return *quantize_per_token_group_ref(rows, group=rows.shape[-1]), residual
+    return *quantize_per_token_group_ref(rows, group=group or rows.shape[-1]), residual
 
 
 @triton.jit(do_not_specialize=["eps", "stride_x", "stride_r"])
 def _rms_norm_fp8_kernel(
     x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, sum_ptr, hidden, eps, stride_x, stride_r,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, FMAX: tl.constexpr,
+    SMIN: tl.constexpr,
 ):  # fmt: skip
+    """Token ``program_id(0)``; ``GROUP`` 0: one scale for the row, else one per ``GROUP``
+    features (a power of two dividing ``BLOCK``)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -59,18 +67,33 @@ def _rms_norm_fp8_kernel(
     inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = ((x * inv).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FMAX), SMIN)
-    v = tl.clamp(tl.math.div_rn(y, scale), -FMAX, FMAX)
-    tl.store(q_ptr + row * hidden + cols, round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row, scale)
+    if GROUP == 0:
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FMAX), SMIN)
+        v = tl.clamp(tl.math.div_rn(y, scale), -FMAX, FMAX)
+        tl.store(q_ptr + row * hidden + cols, round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
+    else:
+        groups = tl.cdiv(hidden, GROUP)
+        y = tl.reshape(y, (BLOCK // GROUP, GROUP))
+        cols = tl.reshape(cols, (BLOCK // GROUP, GROUP))
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=1), FMAX), SMIN)
+        v = tl.clamp(tl.math.div_rn(y, scale[:, None]), -FMAX, FMAX)
+        q = round_to_e4m3(v).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + row * hidden + cols, q, mask=cols < hidden)
+        g = tl.arange(0, BLOCK // GROUP)
+        tl.store(s_ptr + row * groups + g, scale, mask=g < groups)
 
 
 def rms_norm_fp8(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    group: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Triton version of :func:`rms_norm_fp8_ref` (up to the last bits of the sum of squares and
     the reciprocal square root); ``x`` and ``residual`` 2-d with unit strides in their last
-    dimension, ``weight`` in ``x.dtype``. Outputs are contiguous."""
+    dimension, ``weight`` in ``x.dtype``, ``group`` a power of two. Outputs are contiguous."""
     if x.dim() != 2 or weight.shape != x.shape[1:] or (residual is not None and residual.shape != x.shape):
         raise ValueError(
             f"x must be 2-d, weight [hidden] and residual x's shape: {tuple(x.shape)}, "
@@ -81,15 +104,19 @@ def rms_norm_fp8(
     rows, hidden = x.shape
     if hidden > _MAX_HIDDEN:
         raise ValueError(f"hidden size {hidden} is above the kernel's {_MAX_HIDDEN}")
+    if group is not None and (group < 1 or group & (group - 1)):
+        raise ValueError(f"group must be a power of two: {group}")
     q = torch.empty(rows, hidden, dtype=FP8, device=x.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    scale = torch.empty(
+        rows, triton.cdiv(hidden, group) if group else 1, dtype=torch.float32, device=x.device
+    )
     summed = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     if rows and hidden:
-        block = triton.next_power_of_2(hidden)
+        block = max(triton.next_power_of_2(hidden), group or 1)
         _rms_norm_fp8_kernel[(rows,)](
             x, x if residual is None else residual, weight, q, scale, q if summed is None else summed,
             hidden, eps, x.stride(0), 0 if residual is None else residual.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, FMAX=FP8_MAX, SMIN=MIN_SCALE,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, GROUP=group or 0, FMAX=FP8_MAX, SMIN=MIN_SCALE,
             num_warps=min(16, max(4, block // 512)),
         )  # fmt: skip
     return q, scale, summed

@@ -31,12 +31,15 @@ def silu_and_mul_ref(x: torch.Tensor, halves: bool = False) -> torch.Tensor:
     return F.silu(x[..., 0::2]) * x[..., 1::2]
 
 
-def silu_and_mul_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_fp8_ref(
+    x: torch.Tensor, halves: bool = False, group: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`silu_and_mul_ref` (in ``x.dtype``) rounded to FP8 per token, as the per-channel FP8
-    layers round their input: ``(values [tokens, size] e4m3, scale [tokens, 1] float32)``."""
-    h = silu_and_mul_ref(x)
+    layers round their input, or per token and ``group`` features, as the block-scaled ones do:
+    ``(values [tokens, size] e4m3, scale [tokens, 1] or [tokens, ceil(size / group)] float32)``."""
+    h = silu_and_mul_ref(x, halves)
     rows = h.reshape(-1, h.shape[-1])
-    return quantize_per_token_group_ref(rows, group=rows.shape[-1])
+    return quantize_per_token_group_ref(rows, group=group or rows.shape[-1])
 
 
 @triton.jit
@@ -75,11 +78,11 @@ def _store_fp8(q_ptr, cols, mask, h, scale, FMAX: tl.constexpr):
     tl.store(q_ptr + cols, round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["size", "stride_x"])
+@triton.jit(do_not_specialize=["size", "stride_x", "up_offset"])
 def _silu_and_mul_fp8_kernel(
-    x_ptr, q_ptr, s_ptr, size, stride_x, chunk,
-    BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr, PAIRED: tl.constexpr, FMAX: tl.constexpr,
-    SMIN: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, size, stride_x, chunk, up_offset,
+    BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr, PAIRED: tl.constexpr, STEP: tl.constexpr,
+    FMAX: tl.constexpr, SMIN: tl.constexpr,
 ):  # fmt: skip
     """Token ``program_id(0)``. ``WHOLE_ROW`` (``size <= BLOCK``): its values computed once and
     kept; else a pass over the row for its largest magnitude and a second that computes again and
@@ -89,21 +92,41 @@ def _silu_and_mul_fp8_kernel(
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * size
     if WHOLE_ROW:
         cols = tl.arange(0, BLOCK)
-        h = _swiglu(x_row, cols, cols < size, 1, PAIRED, 2)
+        h = _swiglu(x_row, cols, cols < size, up_offset, PAIRED, STEP)
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(h), axis=0), FMAX), SMIN)
         _store_fp8(q_row, cols, cols < size, h, scale, FMAX)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, size, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(_swiglu(x_row, cols, cols < size, 1, PAIRED, 2)))
+            amax = tl.maximum(amax, tl.abs(_swiglu(x_row, cols, cols < size, up_offset, PAIRED, STEP)))
         scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FMAX), SMIN)
         first = tl.program_id(1) * chunk
         for start in range(first, min(size, first + chunk), BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            _store_fp8(q_row, cols, cols < size, _swiglu(x_row, cols, cols < size, 1, PAIRED, 2), scale, FMAX)
+            h = _swiglu(x_row, cols, cols < size, up_offset, PAIRED, STEP)
+            _store_fp8(q_row, cols, cols < size, h, scale, FMAX)
     if tl.program_id(1) == 0:
         tl.store(s_ptr + row, scale)
+
+
+@triton.jit(do_not_specialize=["size", "stride_x", "up_offset"])
+def _silu_and_mul_fp8_group_kernel(
+    x_ptr, q_ptr, s_ptr, size, stride_x, up_offset,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr, STEP: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr,
+):  # fmt: skip
+    """Token ``program_id(0)``, its groups of ``GROUP`` features ``GROUPS * program_id(1) ...``,
+    each with its own scale (one pass: no row-wide maximum to wait for)."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = cols < size
+    h = _swiglu(x_ptr + row * stride_x, cols, mask, up_offset, False, STEP)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(h), axis=1), FMAX), SMIN)
+    v = tl.clamp(tl.math.div_rn(h, scale[:, None]), -FMAX, FMAX)
+    tl.store(q_ptr + row * size + cols, round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
+    num_groups = tl.cdiv(size, GROUP)
+    tl.store(s_ptr + row * num_groups + g, scale, mask=g < num_groups)
 
 
 def silu_and_mul(x: torch.Tensor, halves: bool = False) -> torch.Tensor:
@@ -130,22 +153,37 @@ def silu_and_mul_fp8(
     num_warps: int | None = None,
     chunks: int | None = None,
     paired: bool = False,
+    halves: bool = False,
+    group: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`silu_and_mul_fp8_ref` (up to exp's last bits); ``x`` 2-d with a
-    unit stride in its last dimension. Outputs are contiguous. ``block`` (a power of two: output
-    columns per step, the whole row in one when it fits), ``num_warps`` and ``chunks`` (programs
-    per row, each storing a share of it) override the tiles; ``paired``: gate and up loaded as
-    pairs (by default two strided loads, faster here)."""
+    unit stride in its last dimension, gate and up interleaved or (``halves``) side by side;
+    ``group`` (a power of two): one scale per token and that many features. Outputs are
+    contiguous. Per token, ``block`` (a power of two: output columns per step, the whole row in
+    one when it fits), ``num_warps`` and ``chunks`` (programs per row, each storing a share of it)
+    override the tiles; ``paired``: interleaved gate and up loaded as pairs (by default two
+    strided loads, faster here)."""
     if x.dim() != 2 or x.shape[-1] % 2:
         raise ValueError(f"x must be 2-d with gate and up in an even last dimension: {tuple(x.shape)}")
     if x.stride(-1) != 1:
         raise ValueError("x needs a unit stride in the last dimension")
     if chunks is not None and chunks < 1:
         raise ValueError(f"chunks must be positive: {chunks}")
+    if group is not None and (group < 1 or group & (group - 1)):
+        raise ValueError(f"group must be a power of two: {group}")
+    if paired and halves:
+        raise ValueError("paired loads need gate and up interleaved, not halves")
     rows, size = x.shape[0], x.shape[1] // 2
+    up_offset, step = (size, 1) if halves else (1, 2)
     q = torch.empty(rows, size, dtype=FP8, device=x.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    if rows and size:
+    scale = torch.empty(rows, triton.cdiv(size, group) if group else 1, dtype=torch.float32, device=x.device)
+    if rows and size and group:
+        groups = max(1, min(_BLOCK // group, triton.next_power_of_2(scale.shape[1])))
+        _silu_and_mul_fp8_group_kernel[(rows, triton.cdiv(scale.shape[1], groups))](
+            x, q, scale, size, x.stride(0), up_offset,
+            GROUP=group, GROUPS=groups, STEP=step, FMAX=FP8_MAX, SMIN=MIN_SCALE, num_warps=_NUM_WARPS,
+        )  # fmt: skip
+    elif rows and size:
         default_block, default_warps, default_chunks = (
             _FP8_TILES_FEW if rows <= _FP8_FEW_ROWS else _FP8_TILES_MANY
         )
@@ -154,8 +192,8 @@ def silu_and_mul_fp8(
         whole_row = size <= block
         chunk = size if whole_row else triton.cdiv(triton.cdiv(size, chunks), block) * block
         _silu_and_mul_fp8_kernel[(rows, triton.cdiv(size, chunk))](
-            x, q, scale, size, x.stride(0), chunk,
-            BLOCK=block, WHOLE_ROW=whole_row, PAIRED=paired, FMAX=FP8_MAX, SMIN=MIN_SCALE,
+            x, q, scale, size, x.stride(0), chunk, up_offset,
+            BLOCK=block, WHOLE_ROW=whole_row, PAIRED=paired, STEP=step, FMAX=FP8_MAX, SMIN=MIN_SCALE,
             num_warps=num_warps,
         )  # fmt: skip
     return q, scale

@@ -33,8 +33,9 @@ class GateUpSwiGLU(ColumnParallelLinear):
     ):
         self.halves = quant == "fp8_block"
         super().__init__(input_size, 2 * intermediate_size, False, tp, quant)
-        # with per-channel FP8 weights the down projection takes its input rounded to FP8 here
-        self.fp8_output = quant in PER_ROW_SCALED
+        # with FP8 weights the down projection takes its input rounded to FP8 here (per token and
+        # 128 features for block scales)
+        self.fp8_output = quant in PER_ROW_SCALED or self.halves
 
     def rows_in_whole_blocks(self, output_size: int) -> bool:
         return self.halves and output_size % (2 * GROUP) == 0
@@ -55,7 +56,9 @@ class GateUpSwiGLU(ColumnParallelLinear):
             y = self.fp8_forward(x, None)
             if self.fp8_output:
                 swiglu_fp8 = silu_and_mul_fp8 if y.is_cuda else silu_and_mul_fp8_ref
-                return QuantizedActivation(*swiglu_fp8(y.reshape(-1, y.shape[-1])), y.dtype)
+                group = GROUP if self.halves else None
+                rows = y.reshape(-1, y.shape[-1])
+                return QuantizedActivation(*swiglu_fp8(rows, halves=self.halves, group=group), y.dtype)
             return silu_and_mul(y, self.halves) if y.is_cuda else silu_and_mul_ref(y, self.halves)
         if not x.is_cuda:
             return gate_up_silu_ref(x, self.weight)

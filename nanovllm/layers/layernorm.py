@@ -9,14 +9,17 @@ from nanovllm.layers.fp8 import QuantizedActivation
 
 class RMSNorm(nn.Module):
     """``fp8_output``: the output rounded to FP8 per token (a :class:`QuantizedActivation`), for
-    a consumer with per-channel FP8 weights; on CUDA one Triton kernel adds, normalises and
-    rounds. Otherwise the torch ops, compiled on CUDA."""
+    a consumer with per-channel FP8 weights, or per token and ``fp8_group`` features for one with
+    block scales; on CUDA one Triton kernel adds, normalises and rounds. Otherwise the torch ops,
+    compiled on CUDA."""
 
     compilable = ("norm_fn", "add_norm_fn")
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, fp8_output: bool = False):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, fp8_output: bool = False, fp8_group: int | None = None
+    ):
         super().__init__()
-        self.eps, self.fp8_output = eps, fp8_output
+        self.eps, self.fp8_output, self.fp8_group = eps, fp8_output, fp8_group
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.norm_fn, self.add_norm_fn = rms_norm_ref, add_rms_norm_ref
 
@@ -26,7 +29,7 @@ class RMSNorm(nn.Module):
             norm_fp8 = rms_norm_fp8 if x.is_cuda else rms_norm_fp8_ref
             rows = x.reshape(-1, x.shape[-1])
             res = None if residual is None else residual.reshape(rows.shape)
-            values, scale, summed = norm_fp8(rows, self.weight, self.eps, res)
+            values, scale, summed = norm_fp8(rows, self.weight, self.eps, res, self.fp8_group)
             out = QuantizedActivation(values, scale, x.dtype)
             return out if residual is None else (out, summed.view(x.shape))
         if residual is None:

@@ -43,6 +43,23 @@ def test_fp8_kernel_matches_reference(dtype, rows, hidden, with_residual):
         assert_fp8_close((q, scale), (q_ref, scale_ref), SCALE_RTOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, hidden", [(1, 1024), (7, 4096), (5, 2000), (3, 64), (0, 128)])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
+def test_fp8_kernel_per_group_of_features_matches_reference(dtype, rows, hidden, with_residual):
+    """Block-scaled consumers: one scale per token and 128 features (a last group partial when
+    128 does not divide the row, the whole row one group when it is shorter)."""
+    x, residual, weight = inputs(rows, hidden, dtype)
+    res = residual if with_residual else None
+    q, scale, summed = rms_norm_fp8(x, weight, 1e-6, res, group=128)
+    q_ref, scale_ref, summed_ref = rms_norm_fp8_ref(x, weight, 1e-6, res, group=128)
+    assert scale.shape == scale_ref.shape == (rows, -(-hidden // 128))
+    if with_residual:
+        assert torch.equal(summed, summed_ref)
+    if rows:
+        assert_fp8_close((q, scale), (q_ref, scale_ref), SCALE_RTOL[dtype])
+
+
 def test_fp8_kernel_on_strided_rows_and_bad_inputs():
     x, residual, weight = inputs(8, 2 * 256, torch.float32)
     x, residual, weight = x[::2, :256], residual[::2, 256:], weight[:256]
@@ -58,6 +75,8 @@ def test_fp8_kernel_on_strided_rows_and_bad_inputs():
         rms_norm_fp8(x, weight, 1e-6, residual[:2])
     with pytest.raises(ValueError, match="unit stride"):
         rms_norm_fp8(x.t().contiguous().t(), weight, 1e-6)
+    with pytest.raises(ValueError, match="power of two"):
+        rms_norm_fp8(x, weight, 1e-6, group=96)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -96,6 +96,24 @@ def test_fp8_kernel_matches_reference(dtype, shape, tiles):
     assert_fp8_close((q, scale), (q_ref, scale_ref), tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 2 * 96), (3, 2 * 2100), (64, 2 * 1536), (0, 256)])
+@pytest.mark.parametrize("halves", [False, True], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("group", [None, 128], ids=["per_token", "per_group"])
+def test_fp8_kernel_layouts_and_groups_match_reference(dtype, shape, halves, group):
+    """Gate and up side by side (FP8 checkpoints' block layout) or interleaved, rounded per token
+    or per token and 128 features (a last group partial where 128 does not divide the row)."""
+    gen = torch.Generator().manual_seed(2)
+    x = (4 * torch.randn(shape, generator=gen)).to(dtype).to(DEVICE)
+    q, scale = silu_and_mul_fp8(x, halves=halves, group=group)
+    q_ref, scale_ref = silu_and_mul_fp8_ref(x, halves=halves, group=group)
+    size = shape[1] // 2
+    assert scale.shape == scale_ref.shape == (shape[0], -(-size // group) if group else 1)
+    if shape[0]:
+        tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+        assert_fp8_close((q, scale), (q_ref, scale_ref), tol)
+
+
 def test_fp8_kernel_on_a_strided_view_and_bad_inputs():
     x = torch.randn(6, 2 * 80, dtype=torch.float32, device=DEVICE)
     q, scale = silu_and_mul_fp8(x[::2])
@@ -110,6 +128,10 @@ def test_fp8_kernel_on_a_strided_view_and_bad_inputs():
         silu_and_mul_fp8(torch.zeros(8, 4, device=DEVICE).t())
     with pytest.raises(ValueError, match="chunks"):
         silu_and_mul_fp8(x, chunks=0)
+    with pytest.raises(ValueError, match="power of two"):
+        silu_and_mul_fp8(x, group=100)
+    with pytest.raises(ValueError, match="interleaved"):
+        silu_and_mul_fp8(x, paired=True, halves=True)
 
 
 def test_fp8_reference_is_the_quantized_swiglu():
