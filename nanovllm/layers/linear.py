@@ -34,7 +34,8 @@ class LinearBase(nn.Module):
             self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8), requires_grad=False)
             groups = -(-input_size // GROUP)
             rows = output_size // GROUP if self.rows_in_whole_blocks(output_size) else output_size
-            self.weight_scale_inv = nn.Parameter(torch.ones(rows, groups), requires_grad=False)
+            scale_inv = torch.ones(rows, groups, dtype=torch.float32)  # float32 whatever the model dtype
+            self.weight_scale_inv = nn.Parameter(scale_inv, requires_grad=False)
             self.weight.weight_loader = self.fp8_block_weight_loader
             self.weight_scale_inv.weight_loader = self.fp8_block_scale_loader
         elif quant in PER_ROW_SCALED:

@@ -4,7 +4,7 @@ rounding: 128 x 128 block scales (Qwen3-*-FP8) and one scale per tensor (AutoFP8
 import pytest
 import torch
 
-from nanovllm import LLM
+from nanovllm import LLM, SamplingParams
 from tests.checkpoints import make_random_checkpoint
 from tests.conftest import hf_greedy
 from tests.end_to_end.fp8_oracle import (
@@ -43,6 +43,21 @@ def test_an_fp8_block_checkpoint_loads_as_stored_and_matches_its_dequantized_twi
 
 
 PROJECTIONS = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+
+
+def test_block_scales_stay_float32_in_a_16_bit_model(tmp_path, prompts):
+    """A bf16 model's FP8 layers keep their block scales in float32, as the GEMMs take them."""
+    source = make_random_checkpoint(str(tmp_path / "source"), "Qwen3ForCausalLM", seed=9, **BLOCK_MODEL)
+    write_fp8_block_checkpoint(source, str(tmp_path / "fp8"))
+    with LLM(str(tmp_path / "fp8"), **dict(OPTIONS, dtype="bfloat16")) as llm:
+        dtypes = llm.apply_model(
+            lambda model: {
+                model.model.layers[0].get_submodule(name).weight_scale_inv.dtype for name in PROJECTIONS
+            }
+        )
+        assert dtypes == [{torch.float32}]
+        out = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
 
 
 def rows_of_scales(model, name: str) -> tuple[int, int]:
