@@ -1,5 +1,6 @@
 """Tensor-parallel worker processes and the shared-memory channel rank 0 drives them through."""
 
+import gc
 import os
 import pickle
 import signal
@@ -85,6 +86,8 @@ def worker_main(
     channel = Channel(config.tensor_parallel_size - 1, channel_name)
     store = connect_store(store_port, config.tensor_parallel_size, config.worker_timeout_s, is_master=False)
     runner = ModelRunner(config, rank, store)
+    gc.collect()  # as the driver does after start-up (nanovllm/llm.py): no full walk mid-run
+    gc.freeze()
     try:
         while True:
             while not wake.acquire(timeout=0.5):

@@ -94,3 +94,13 @@ def test_start_up_is_broken_down_by_phase(qwen3_dir, device, phases):
         seconds = llm.executor.startup_seconds
     assert list(seconds) == phases
     assert all(s >= 0 for s in seconds.values()) and sum(seconds.values()) <= wall
+
+
+def test_start_up_objects_are_frozen_until_the_engine_goes(qwen3_dir, prompts):
+    """Once started, the garbage collector no longer walks what start-up made (torch, the model:
+    a full collection mid-run would stall the step loop); exit gives those objects back."""
+    gc.unfreeze()
+    with LLM(qwen3_dir, **OPTIONS) as llm:
+        assert gc.get_freeze_count() > 10_000
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    assert gc.get_freeze_count() == 0
