@@ -32,8 +32,8 @@ def load_tokenizer(config: Config):
 
 
 def freeze_start_up_objects() -> None:
-    """Move every object alive after start-up (torch, transformers, the model's modules: about a
-    million) out of the garbage collector's sight, as vLLM does: a full collection during a run
+    """Move every object alive after start-up (torch, transformers, the model's modules: hundreds of
+    thousands) out of the garbage collector's sight, as vLLM does: a full collection during a run
     would walk them all, stalling the step loop for ~0.3 s (seen on a run of fresh prompts);
     afterwards collections walk only what the runs themselves allocate. Undone when the engine
     is released, so that what it leaves in reference cycles can be collected."""

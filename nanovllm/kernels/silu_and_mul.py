@@ -59,16 +59,11 @@ def _swiglu(row_ptr, cols, mask, up_offset, PAIRED: tl.constexpr, STEP: tl.const
 
 
 @triton.jit
-def _silu_and_mul_kernel(
-    x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.constexpr, HALVES: tl.constexpr
-):
+def _silu_and_mul_kernel(x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
-    if HALVES:
-        h = _swiglu(x_ptr + row * stride_x, cols, mask, size, False, 1)
-    else:
-        h = _swiglu(x_ptr + row * stride_x, cols, mask, 1, True, 2)
+    h = _swiglu(x_ptr + row * stride_x, cols, mask, 1, True, 2)
     tl.store(out_ptr + row * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -129,9 +124,9 @@ def _silu_and_mul_fp8_group_kernel(
     tl.store(s_ptr + row * num_groups + g, scale, mask=g < num_groups)
 
 
-def silu_and_mul(x: torch.Tensor, halves: bool = False) -> torch.Tensor:
-    """Triton version of :func:`silu_and_mul_ref` (same semantics); ``x`` needs unit stride in
-    its last dimension."""
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Triton version of :func:`silu_and_mul_ref` (gate and up interleaved); ``x`` needs unit
+    stride in its last dimension."""
     if x.shape[-1] % 2:
         raise ValueError(f"the last dimension holds gate and up, so it must be even: {x.shape[-1]}")
     if x.stride(-1) != 1:
@@ -142,7 +137,7 @@ def silu_and_mul(x: torch.Tensor, halves: bool = False) -> torch.Tensor:
     if out.numel():
         grid = (x2d.shape[0], triton.cdiv(size, _BLOCK))
         _silu_and_mul_kernel[grid](
-            x2d, out, size, x2d.stride(0), out.stride(0), BLOCK=_BLOCK, HALVES=halves, num_warps=_NUM_WARPS
+            x2d, out, size, x2d.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=_NUM_WARPS
         )
     return out.view(*x.shape[:-1], size)
 

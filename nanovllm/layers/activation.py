@@ -10,9 +10,8 @@ from nanovllm.kernels.silu_and_mul import (
     silu_and_mul,
     silu_and_mul_fp8,
     silu_and_mul_fp8_ref,
-    silu_and_mul_ref,
 )
-from nanovllm.layers.fp8 import PER_ROW_SCALED, QuantizedActivation
+from nanovllm.layers.fp8 import QuantizedActivation
 from nanovllm.layers.linear import ColumnParallelLinear
 from nanovllm.layers.parallel import TPGroup, copy_weight, shard_of
 
@@ -33,9 +32,6 @@ class GateUpSwiGLU(ColumnParallelLinear):
     ):
         self.halves = quant == "fp8_block"
         super().__init__(input_size, 2 * intermediate_size, False, tp, quant)
-        # with FP8 weights the down projection takes its input rounded to FP8 here (per token and
-        # 128 features for block scales)
-        self.fp8_output = quant in PER_ROW_SCALED or self.halves
 
     def rows_in_whole_blocks(self, output_size: int) -> bool:
         return self.halves and output_size % (2 * GROUP) == 0
@@ -53,13 +49,13 @@ class GateUpSwiGLU(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == FP8:
+            # the down projection, FP8 too, takes its input rounded here: per token, or per token
+            # and 128 features for block scales
             y = self.fp8_forward(x, None)
-            if self.fp8_output:
-                swiglu_fp8 = silu_and_mul_fp8 if y.is_cuda else silu_and_mul_fp8_ref
-                group = GROUP if self.halves else None
-                rows = y.reshape(-1, y.shape[-1])
-                return QuantizedActivation(*swiglu_fp8(rows, halves=self.halves, group=group), y.dtype)
-            return silu_and_mul(y, self.halves) if y.is_cuda else silu_and_mul_ref(y, self.halves)
+            swiglu_fp8 = silu_and_mul_fp8 if y.is_cuda else silu_and_mul_fp8_ref
+            group = GROUP if self.halves else None
+            rows = y.reshape(-1, y.shape[-1])
+            return QuantizedActivation(*swiglu_fp8(rows, halves=self.halves, group=group), y.dtype)
         if not x.is_cuda:
             return gate_up_silu_ref(x, self.weight)
         if gate_up_silu_fits(x, self.weight):

@@ -12,7 +12,7 @@ from nanovllm.attention import AttentionBackend, AttentionMetadata, QKTransform
 from nanovllm.layers.activation import GateUpSwiGLU
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.fp8 import GROUP, PER_ROW_SCALED
+from nanovllm.layers.fp8 import GROUP
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import (
@@ -121,7 +121,7 @@ class DecoderLayer(nn.Module):
         setattr(self, self.ffn_name, ffn)
         # FP8 projections take their input rounded to FP8 by the norm before them (per token and
         # 128 features for block scales)
-        fp8_input = quant in PER_ROW_SCALED or quant == "fp8_block"
+        fp8_input = quant is not None
         group = GROUP if quant == "fp8_block" else None
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp8_input, group)
         self.post_attention_layernorm = RMSNorm(
