@@ -230,3 +230,37 @@ def test_a_per_tensor_scale_of_several_values_is_refused(tmp_path):
     save_file(tensors, f"{path}/model.safetensors")
     with pytest.raises(ValueError, match="o_proj.weight_scale.*one scale for the whole tensor"):
         LLM(path, **OPTIONS)
+
+
+def near_tie_check(tmp_path, prompts, device: str, eager: bool) -> None:
+    """A bf16 block checkpoint's greedy choices on ``device``, teacher-forced through its twin
+    (HF with the same rounding, each product exact): each token the twin's argmax, or within a
+    twentieth of FP8's own effect on the logits (the twin against the unquantized model) plus
+    bf16's effect on the twin (in bf16 against float32), as the per-channel CUDA test allows."""
+    from transformers import AutoModelForCausalLM
+
+    source = make_random_checkpoint(str(tmp_path / "source"), "Qwen3ForCausalLM", seed=9, **BLOCK_MODEL)
+    quantized = write_fp8_block_checkpoint(source, str(tmp_path / "fp8"))
+    twin = checkpoint_twin(source, quantized, 1, blocks=True)
+    twin_bf16 = checkpoint_twin(source, quantized, 1, blocks=True).to(torch.bfloat16)
+    plain = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    options = dict(OPTIONS, device=device, dtype="bfloat16", enforce_eager=eager)
+    with LLM(str(tmp_path / "fp8"), **options) as llm:
+        completions = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with torch.no_grad():
+        for prompt, completion in zip(prompts, completions):
+            ids, tokens = torch.tensor([prompt + completion[:-1]]), torch.tensor(completion)
+            ref = twin(ids).logits[0, len(prompt) - 1 :]
+            allowed = 0.05 * (ref - plain(ids).logits[0, len(prompt) - 1 :]).abs().max()
+            allowed += (twin_bf16(ids).logits[0, len(prompt) - 1 :].float() - ref).abs().max()
+            gaps = ref.max(dim=1).values - ref.gather(1, tokens[:, None])[:, 0]
+            assert (gaps <= allowed).all(), (gaps.max().item(), allowed.item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_cuda_bf16_block_checkpoint_choices_are_the_twins_up_to_near_ties(tmp_path, prompts, eager):
+    """On CUDA the block-scaled products run on fp8 tensor cores (cuBLAS's block-scaled product for
+    the 242-row prefill, the Triton block GEMM for decode rows), in bf16."""
+    near_tie_check(tmp_path, prompts, "cuda", eager)
