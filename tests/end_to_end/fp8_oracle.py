@@ -263,6 +263,30 @@ def checkpoint_twin(source: str, quantized: dict, parts: int, blocks: bool):
     return twin
 
 
+def assert_greedy_up_to_near_ties(exact, plain, exact_bf16, prompts, completions) -> tuple[int, int, int]:
+    """Teacher-forced on ``completions`` (greedy runs on CUDA, where fp8 tensor cores keep ~14 bits
+    in their sums, so a random model's near-ties may go either way): each token ``exact``'s argmax
+    (HF with the same rounding, each product exact), or within a twentieth of the FP8 rounding's
+    own effect on the logits (``exact`` against the unquantized ``plain``) of it; with
+    ``exact_bf16`` (``exact`` in bf16), plus bf16's effect on the FP8 model (it against
+    ``exact``). Returns (tokens that are ``exact``'s argmax, ``plain``'s argmax, all tokens)."""
+    argmax = unquantized = total = 0
+    with torch.no_grad():
+        for prompt, completion in zip(prompts, completions):
+            ids, tokens = torch.tensor([prompt + completion[:-1]]), torch.tensor(completion)
+            ref = exact(ids).logits[0, len(prompt) - 1 :]
+            plain_logits = plain(ids).logits[0, len(prompt) - 1 :]
+            allowed = 0.05 * (ref - plain_logits).abs().max()
+            if exact_bf16 is not None:
+                allowed += (exact_bf16(ids).logits[0, len(prompt) - 1 :].float() - ref).abs().max()
+            gaps = ref.max(dim=1).values - ref.gather(1, tokens[:, None])[:, 0]
+            assert (gaps <= allowed).all(), (gaps.max().item(), allowed.item())
+            argmax += int((gaps == 0).sum())
+            unquantized += int((plain_logits.argmax(dim=1) == tokens).sum())
+            total += len(completion)
+    return argmax, unquantized, total
+
+
 def assert_close_to_twin(
     twin, prompts: list[list[int]], llm, max_gap: float = 0.25, close: float = 0.95, agree: float = 0.97
 ) -> None:

@@ -10,6 +10,7 @@ from tests.checkpoints import make_random_checkpoint
 from tests.end_to_end.fp8_oracle import (
     GREEDY,
     OPTIONS,
+    assert_greedy_up_to_near_ties,
     hf_fp8_model,
     hf_generate,
 )
@@ -86,13 +87,11 @@ def test_other_quantization_methods_are_refused(tmp_path):
 def test_cuda_greedy_choices_are_hf_argmax_up_to_near_ties(qwen3_dir, prompts, dtype, eager):
     """On CUDA the products run on fp8 tensor cores (the Triton GEMM; in bf16 from 129 rows cuBLAS),
     whose MMA keeps ~14 bits in its sums: not exact as on the CPU, so a random model's near-ties
-    may go either way and greedy runs part. The oracle, HF with the same rounding and each product
-    exact, teacher-forced on our completions: each token we chose is HF's argmax, or within a
-    twentieth of the FP8 rounding's own effect on the logits (HF's FP8 emulation against the
-    unquantized model) of it; in bf16, plus bf16's own effect on the FP8 model (HF's FP8 emulation
-    in bf16 against it in float32: a bf16 rounding that moves an activation across an e4m3
-    boundary moves it a whole e4m3 step, so on this random model bf16 moves the logits about as
-    much as FP8 does)."""
+    may go either way and greedy runs part. The oracle (:func:`assert_greedy_up_to_near_ties`):
+    HF with the same rounding and each product exact, teacher-forced on our completions; in bf16
+    its allowance takes bf16's own effect on the FP8 model too (a bf16 rounding that moves an
+    activation across an e4m3 boundary moves it a whole e4m3 step, so on this random model bf16
+    moves the logits about as much as FP8 does)."""
     from transformers import AutoModelForCausalLM
 
     hf_fp8 = hf_fp8_model(qwen3_dir)
@@ -101,20 +100,8 @@ def test_cuda_greedy_choices_are_hf_argmax_up_to_near_ties(qwen3_dir, prompts, d
     options = dict(OPTIONS, device="cuda", dtype=dtype, enforce_eager=eager)
     with LLM(qwen3_dir, quantization="fp8", **options) as llm:
         completions = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    argmax = unquantized = total = 0
-    with torch.no_grad():
-        for prompt, completion in zip(prompts, completions):
-            ids, tokens = torch.tensor([prompt + completion[:-1]]), torch.tensor(completion)
-            ref = hf_fp8(ids).logits[0, len(prompt) - 1 :]
-            plain_logits = plain(ids).logits[0, len(prompt) - 1 :]
-            allowed = 0.05 * (ref - plain_logits).abs().max()
-            if dtype == "bfloat16":
-                allowed += (hf_fp8_bf16(ids).logits[0, len(prompt) - 1 :].float() - ref).abs().max()
-            gaps = ref.max(dim=1).values - ref.gather(1, tokens[:, None])[:, 0]
-            assert (gaps <= allowed).all(), (gaps.max().item(), allowed.item())
-            argmax += int((gaps == 0).sum())
-            unquantized += int((plain_logits.argmax(dim=1) == tokens).sum())
-            total += len(completion)
+    bf16_twin = hf_fp8_bf16 if dtype == "bfloat16" else None
+    argmax, unquantized, total = assert_greedy_up_to_near_ties(hf_fp8, plain, bf16_twin, prompts, completions)
     print(
         f"{dtype}: of {total} greedy tokens {argmax} are the exact emulation's argmax, {unquantized} "
         "the unquantized model's (teacher-forced)"

@@ -207,7 +207,7 @@ def test_block_gemm_empty_and_bad_inputs():
         gemm.fp8_gemm(a_fp8, a_scales, w_fp8, w_scale_inv, torch.float32, config=dict(BLOCK_K=256))
 
 
-# The compiled kernels on CUDA.
+# The compiled kernels and the layers on CUDA.
 
 
 @pytest.mark.gpu
