@@ -1,6 +1,7 @@
 """Where one decode step's time goes, at batch 256 on a bench-shaped model (CUDA).
 
     PYTHONPATH=. python3 benchmarks/profile_decode_step.py [--shape qwen3-8b] [--batch 256] [--context 1024]
+        [--quantization fp8]
 
 With ``--prompt-tokens N`` every timed step is a mixed one: the decodes plus ``--prompts``
 new N-token prompts (requests of one output token, so the batch stays the same size). The
@@ -30,12 +31,19 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--quantization", choices=("fp8",), default=None, help="FP8 weights")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="new prompts' length, every step")
     parser.add_argument("--prompts", type=int, default=1, help="new prompts in every step")
     args = parser.parse_args()
     path = tempfile.mkdtemp()
     write_config(path, args.shape)
-    llm = LLM(path, load_format="dummy", enforce_eager=args.enforce_eager, max_model_len=4096)
+    llm = LLM(
+        path,
+        load_format="dummy",
+        enforce_eager=args.enforce_eager,
+        max_model_len=4096,
+        quantization=args.quantization,
+    )
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=10_000)
     for i in range(args.batch):
         llm.add_request([(i * 7 + j) % 10000 for j in range(args.context)], params)
