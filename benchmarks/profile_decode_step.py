@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo_models import SHAPES, write_config
-from nanovllm.scheduling import ScheduledStep
+from nanovllm.scheduling import ScheduledStep, StepOutput
 
 
 def main() -> None:
@@ -47,7 +47,11 @@ def main() -> None:
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=10_000)
     for i in range(args.batch):
         llm.add_request([(i * 7 + j) % 10000 for j in range(args.context)], params)
-    sched, runner = llm.scheduler, llm.executor.runner
+    sched, runner, processor = llm.scheduler, llm.executor.runner, llm.output_processor
+
+    def advance(step: ScheduledStep, output: StepOutput) -> None:  # as the engine's step loop
+        processor.process(step, output)
+
     rng = random.Random(0)
 
     def schedule() -> ScheduledStep:
@@ -58,11 +62,11 @@ def main() -> None:
 
     while True:  # prefill everything
         step = sched.schedule()
-        if step.is_decode:
+        if step.batch.is_decode:
             break
-        sched.postprocess(step, runner.run(step.batch))
+        advance(step, runner.run(step.batch))
     # the last schedule() was a decode; run it, then time steps split by part
-    sched.postprocess(step, runner.run(step.batch))
+    advance(step, runner.run(step.batch))
     torch.cuda.synchronize()
     parts = {"schedule + plan": 0.0, "run": 0.0, "postprocess": 0.0}
     start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -74,7 +78,7 @@ def main() -> None:
         b = time.perf_counter()
         tokens = runner.run(step.batch)
         c = time.perf_counter()
-        sched.postprocess(step, tokens)
+        advance(step, tokens)
         d = time.perf_counter()
         for k, v in zip(parts, (b - a, c - b, d - c)):
             parts[k] += v
@@ -88,7 +92,7 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             step = schedule()
-            sched.postprocess(step, runner.run(step.batch))
+            advance(step, runner.run(step.batch))
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     gpu_us = sum(e.self_device_time_total for e in kernels) / 5
