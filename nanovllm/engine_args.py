@@ -16,7 +16,7 @@ ACCEPTED = {
     "download_dir": "models load from local folders only",
     "hf_token": "models load from local folders only",
     "disable_async_output_proc": "outputs are processed while the next step runs (async_scheduling)",
-    "compilation_config": "small element-wise ops are compiled with torch.compile unless enforce_eager",
+    "compilation_config": "nothing is compiled with torch.compile: the fused ops are Triton kernels",
     "max_lora_rank": "LoRA adapters are not implemented (enable_lora is refused): no rank to bound",
     "max_loras": "LoRA adapters are not implemented (enable_lora is refused): no adapter to count",
 }

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import SLEEP_TAGS, Config
-from nanovllm.execution.compile import compile_elementwise_ops
 from nanovllm.execution.cuda_graph import DecodeGraphs
 from nanovllm.execution.kv_cache import KVCache
 from nanovllm.execution.loader import WeightMap, Weights, build_model, plan_weight_update
@@ -93,9 +92,8 @@ class ModelRunner:
         self.device = rank_device(config, rank)
         self.startup_seconds: dict[str, float] = {}
         """Where this rank's start-up went: "device" (joining the process group, the CUDA
-        context), "load" (building the model and reading its weights), "compile_setup"
-        (wrapping the element-wise ops for ``torch.compile``, which imports it), "buffers" (the
-        step inputs' pinned and device buffers, the sampler's), "profile" (a full-budget prefill
+        context), "load" (building the model and reading its weights), "buffers" (the step
+        inputs' pinned and device buffers, the sampler's), "profile" (a full-budget prefill
         sizing the KV cache), "kv_cache" (allocating it), "warm_up" (the eager step shapes,
         compiling kernels) and "graphs" (capturing decode graphs); phases that do not run (CPU,
         ``enforce_eager``) are absent."""
@@ -115,9 +113,6 @@ class ModelRunner:
                 torch.cuda.init()
         with self._phase("load"):
             self.model = build_model(config, self.tp, self.device)
-        if self.device.type == "cuda" and not config.enforce_eager:
-            with self._phase("compile_setup"):
-                compile_elementwise_ops(self.model)  # lazily: compiled in the profile and the warm-up
         with self._phase("buffers"):
             # the engine's seed makes unseeded sampling repeat, engine after engine (as vLLM's)
             self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))

@@ -3,17 +3,22 @@
 import torch
 from torch import nn
 
-from nanovllm.kernels.rms_norm import add_rms_norm_ref, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref
+from nanovllm.kernels.rms_norm import (
+    MAX_HIDDEN,
+    add_rms_norm_ref,
+    rms_norm,
+    rms_norm_fp8,
+    rms_norm_fp8_ref,
+    rms_norm_ref,
+)
 from nanovllm.layers.fp8 import QuantizedActivation
 
 
 class RMSNorm(nn.Module):
     """``fp8_output``: the output rounded to FP8 per token (a :class:`QuantizedActivation`), for
     a consumer with per-channel FP8 weights, or per token and ``fp8_group`` features for one with
-    block scales; on CUDA one Triton kernel adds, normalises and rounds. Otherwise the torch ops,
-    compiled on CUDA."""
-
-    compilable = ("norm_fn", "add_norm_fn")
+    block scales. On CUDA one Triton kernel adds, normalises (and rounds); on the CPU (and rows
+    wider than the kernel holds) the torch references."""
 
     def __init__(
         self, hidden_size: int, eps: float = 1e-6, fp8_output: bool = False, fp8_group: int | None = None
@@ -21,17 +26,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.fp8_output, self.fp8_group = eps, fp8_output, fp8_group
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.norm_fn, self.add_norm_fn = rms_norm_ref, add_rms_norm_ref
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
+        on_kernel = x.is_cuda and x.shape[-1] <= MAX_HIDDEN
+        rows = x.reshape(-1, x.shape[-1])
+        res = None if residual is None else residual.reshape(rows.shape)
         if self.fp8_output:
-            norm_fp8 = rms_norm_fp8 if x.is_cuda else rms_norm_fp8_ref
-            rows = x.reshape(-1, x.shape[-1])
-            res = None if residual is None else residual.reshape(rows.shape)
+            norm_fp8 = rms_norm_fp8 if on_kernel else rms_norm_fp8_ref
             values, scale, summed = norm_fp8(rows, self.weight, self.eps, res, self.fp8_group)
             out = QuantizedActivation(values, scale, x.dtype)
-            return out if residual is None else (out, summed.view(x.shape))
-        if residual is None:
-            return self.norm_fn(x, self.weight, self.eps)
-        return self.add_norm_fn(x, residual, self.weight, self.eps)
+        elif on_kernel:
+            normed, summed = rms_norm(rows, self.weight, self.eps, res)
+            out = normed.view(x.shape)
+        elif residual is None:
+            return rms_norm_ref(x, self.weight, self.eps)
+        else:
+            return add_rms_norm_ref(x, residual, self.weight, self.eps)
+        return out if residual is None else (out, summed.view(x.shape))

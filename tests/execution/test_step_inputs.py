@@ -43,7 +43,8 @@ class CheckedHarness(Harness):
             else:
                 assert inputs.rope_lengths.tolist() == lengths
                 self.decode_steps_with_rope_lengths += b.is_decode
-        # torch.compile guards on the offset of its inputs: one that moved would recompile mid-run
+        # Triton specializes kernels on their pointers' 16-byte alignment: an input that moved
+        # off it would compile another variant mid-run
         assert inputs.positions.storage_offset() == 0
         assert meta.slot_mapping.tolist() == slots
         tables = [meta.block_tables] if meta.decode is None else [meta.decode.block_tables, meta.block_tables]

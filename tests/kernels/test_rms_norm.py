@@ -1,12 +1,13 @@
-"""The RMSNorm rounded to FP8 (with and without the residual add) vs its torch reference
-(interpreter on CPU, device on GPU), and the references vs Hugging Face's RMSNorm."""
+"""The RMSNorm kernel, in the model dtype and rounded to FP8 (with and without the residual add),
+vs its torch references (interpreter on CPU, device on GPU), and the references vs Hugging
+Face's RMSNorm."""
 
 import pytest
 import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from nanovllm.kernels.fp8 import FP8
-from nanovllm.kernels.rms_norm import add_rms_norm_ref, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref
+from nanovllm.kernels.rms_norm import add_rms_norm_ref, rms_norm, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref
 from tests.interpreter import DEVICE
 from tests.kernels.fp8_close import assert_fp8_close
 
@@ -24,6 +25,42 @@ def inputs(rows: int, hidden: int, dtype: torch.dtype, seed: int = 0):
 
 
 SCALE_RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # sums of squares' last bits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, hidden", [(1, 1024), (7, 4096), (33, 96), (5, 2000), (0, 128)])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
+def test_kernel_matches_reference(dtype, rows, hidden, with_residual):
+    """In the model dtype: the sum one rounding of an exact fp32 sum, so equal; the norm within
+    one rounding of the dtype (the sum of squares' and the reciprocal square root's last bits)."""
+    x, residual, weight = inputs(rows, hidden, dtype)
+    if with_residual:
+        normed, summed = rms_norm(x, weight, 1e-6, residual)
+        normed_ref, summed_ref = add_rms_norm_ref(x, residual, weight, 1e-6)
+        assert torch.equal(summed, summed_ref) and summed.is_contiguous()
+    else:
+        normed, summed = rms_norm(x, weight, 1e-6)
+        normed_ref = rms_norm_ref(x, weight, 1e-6)
+        assert summed is None
+    assert normed.dtype == dtype and normed.shape == (rows, hidden)
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(normed, normed_ref, atol=tol, rtol=tol)
+
+
+def test_kernel_on_strided_rows_and_bad_inputs():
+    x, residual, weight = inputs(8, 2 * 256, torch.float32)
+    x, residual, weight = x[::2, :256], residual[::2, 256:], weight[:256]
+    normed, summed = rms_norm(x, weight, 1e-5, residual)
+    normed_ref, summed_ref = add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(summed, summed_ref)
+    torch.testing.assert_close(normed, normed_ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, weight[:8], 1e-6)
+    with pytest.raises(ValueError, match="unit stride"):
+        rms_norm(x.t().contiguous().t(), weight, 1e-6)
+    with pytest.raises(ValueError, match="above"):
+        wide = torch.zeros(1, 32768, device=DEVICE)
+        rms_norm(wide, wide[0], 1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
