@@ -268,17 +268,21 @@ def test_fp8_layer_on_cuda_matches_reference(m):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [1, 64, 127, 128, 130, 512, 1001])
-def test_fp8_block_layer_on_cuda_matches_reference(m):
+@pytest.mark.parametrize(
+    "n, k", [(6144, 4096), (512, 128), (128, 256)], ids=["8b-qkv", "one-group", "one-block"]
+)
+def test_fp8_block_layer_on_cuda_matches_reference(m, n, k):
     """The block-scaled layer's CUDA path (the Triton GEMM below ``CUBLAS_BLOCK_MIN_ROWS`` rows,
     cuBLAS's block-scaled product from there, rows padded to a multiple of 4) against the
-    reference, with the scales per block and per row."""
+    reference, with the scales per block and per row: at the 8B's q/k/v and at a small model's
+    sizes (K one scale group; N one block of rows)."""
     from nanovllm.layers.fp8 import block_scales_per_row, fp8_block_linear
 
     gen = torch.Generator().manual_seed(m)
-    x = (torch.randn(m, 4096, generator=gen) * torch.logspace(-1, 1, m)[:, None]).to("cuda", torch.bfloat16)
-    w = torch.randn(6144, 4096, generator=gen) * 0.05
+    x = (torch.randn(m, k, generator=gen) * torch.logspace(-1, 1, m)[:, None]).to("cuda", torch.bfloat16)
+    w = torch.randn(n, k, generator=gen) * 0.05
     w_fp8, w_scale_inv = [t.cuda() for t in fp8.quantize_weight_blockwise_ref(w)]
     a_fp8, a_scales = fp8.quantize_per_token_group_ref(x)
-    for scales in (w_scale_inv, block_scales_per_row(w_scale_inv, 6144)):
+    for scales in (w_scale_inv, block_scales_per_row(w_scale_inv, n)):
         got = fp8_block_linear(x, w_fp8, scales, None)
         check_gemm([a_fp8, a_scales, w_fp8, w_scale_inv], torch.bfloat16, GPU_GEMM_REL, got=got)
