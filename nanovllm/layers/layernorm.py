@@ -30,17 +30,17 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
         on_kernel = x.is_cuda and x.shape[-1] <= MAX_HIDDEN
+        if not (on_kernel or self.fp8_output):
+            if residual is None:
+                return rms_norm_ref(x, self.weight, self.eps)
+            return add_rms_norm_ref(x, residual, self.weight, self.eps)
         rows = x.reshape(-1, x.shape[-1])
         res = None if residual is None else residual.reshape(rows.shape)
         if self.fp8_output:
             norm_fp8 = rms_norm_fp8 if on_kernel else rms_norm_fp8_ref
             values, scale, summed = norm_fp8(rows, self.weight, self.eps, res, self.fp8_group)
             out = QuantizedActivation(values, scale, x.dtype)
-        elif on_kernel:
+        else:
             normed, summed = rms_norm(rows, self.weight, self.eps, res)
             out = normed.view(x.shape)
-        elif residual is None:
-            return rms_norm_ref(x, self.weight, self.eps)
-        else:
-            return add_rms_norm_ref(x, residual, self.weight, self.eps)
         return out if residual is None else (out, summed.view(x.shape))
