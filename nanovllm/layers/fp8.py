@@ -60,7 +60,10 @@ class QuantizedActivation(NamedTuple):
 CUBLAS_MIN_ROWS = 129
 CUBLAS_BLOCK_MIN_ROWS = 128
 CUBLAS_ALIGN = 16  # cuBLAS's fp8 GEMMs need both matrix widths divisible by 16
-CUBLAS_BLOCK_ROW_ALIGN = 4  # block-scaled: the column-major activation scales' rows 16-byte aligned
+CUBLAS_BLOCK_SCALE_ALIGN = 4
+"""cuBLAS's block-scaled product reads both scale matrices with a leading dimension of a multiple
+of 4 floats (16 bytes): the activation scales' rows are padded to it, and weights whose group count
+(``in / 128``) is not a multiple of it take the Triton GEMM (their scales read wrong otherwise)."""
 
 
 def quantize_weight(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +145,7 @@ def fp8_block_linear(
     x_fp8, x_scales, dtype, lead = _rows(x, GROUP)
     (m, k), n = x_fp8.shape, weight.shape[0]
     per_block = scales.shape[0] != n
-    whole_blocks = not (k % GROUP or n % GROUP)
+    whole_blocks = not (k % GROUP or n % GROUP) and scales.shape[1] % CUBLAS_BLOCK_SCALE_ALIGN == 0
     cublas = per_block and whole_blocks and m >= CUBLAS_BLOCK_MIN_ROWS and dtype == torch.bfloat16
     if not x_fp8.is_cuda:
         row_scales = block_scales_per_row(scales, n) if per_block else scales
@@ -161,12 +164,12 @@ def _cublas_block_product(
 ) -> torch.Tensor:
     """cuBLAS's product with 1 x 128 activation and 128 x 128 weight scales: it takes the
     activation scales column-major, the weight's ``[out / 128, groups]`` contiguous and
-    transposed, and rows in multiples of :data:`CUBLAS_BLOCK_ROW_ALIGN` (others padded with zeros
+    transposed, and rows in multiples of :data:`CUBLAS_BLOCK_SCALE_ALIGN` (others padded with zeros
     here). ``benchmarks/bench_fp8.py``, the 8B layer on an H200, quantizer included: 1.13x bf16 at
     256 rows, 1.31-1.37x at 1,024-4,096, where the Triton block GEMM is 0.78-0.85x; at 64 rows
     the Triton GEMM is faster, at 128 cuBLAS."""
     m, k = x_fp8.shape
-    rows = -(-m // CUBLAS_BLOCK_ROW_ALIGN) * CUBLAS_BLOCK_ROW_ALIGN
+    rows = -(-m // CUBLAS_BLOCK_SCALE_ALIGN) * CUBLAS_BLOCK_SCALE_ALIGN
     if rows != m:
         padding = x_fp8.new_zeros(rows - m, k, dtype=torch.uint8)
         x_fp8 = torch.cat([x_fp8.view(torch.uint8), padding]).view(FP8)

@@ -269,13 +269,15 @@ def test_fp8_layer_on_cuda_matches_reference(m):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [1, 64, 127, 128, 130, 512, 1001])
 @pytest.mark.parametrize(
-    "n, k", [(6144, 4096), (512, 128), (128, 256)], ids=["8b-qkv", "one-group", "one-block"]
+    "n, k",
+    [(6144, 4096), (512, 128), (512, 384), (512, 512), (128, 256)],
+    ids=["8b-qkv", "one-group", "three-groups", "four-groups", "one-block"],
 )
 def test_fp8_block_layer_on_cuda_matches_reference(m, n, k):
     """The block-scaled layer's CUDA path (the Triton GEMM below ``CUBLAS_BLOCK_MIN_ROWS`` rows,
-    cuBLAS's block-scaled product from there, rows padded to a multiple of 4) against the
-    reference, with the scales per block and per row: at the 8B's q/k/v and at a small model's
-    sizes (K one scale group; N one block of rows)."""
+    cuBLAS's block-scaled product from there, rows padded to a multiple of 4, unless the groups
+    are not) against the reference, with the scales per block and per row: at the 8B's q/k/v and
+    at a small model's sizes (K one to four scale groups; N one block of rows)."""
     from nanovllm.layers.fp8 import block_scales_per_row, fp8_block_linear
 
     gen = torch.Generator().manual_seed(m)
