@@ -20,7 +20,8 @@ cuBLAS (``torch._scaled_mm`` with row-wise scales, fast accumulation) from :data
 rows, below that the Triton GEMM of ``kernels/fp8_gemm.py`` (``benchmarks/bench_fp8.py --sweep``:
 to 64 rows it reads the weight 1.4-1.6x faster than cuBLAS, at 128 rows they tie, from 192 cuBLAS
 is ahead); block scales kept per block through cuBLAS's 1 x 128 / 128 x 128 scaled product from
-:data:`CUBLAS_BLOCK_MIN_ROWS` rows, else (and per row) the Triton GEMM."""
+:data:`CUBLAS_BLOCK_MIN_ROWS` rows (where the weight's groups allow it:
+:data:`CUBLAS_BLOCK_SCALE_ALIGN`), else (and per row) the Triton GEMM."""
 
 from typing import NamedTuple
 
@@ -145,8 +146,8 @@ def fp8_block_linear(
     x_fp8, x_scales, dtype, lead = _rows(x, GROUP)
     (m, k), n = x_fp8.shape, weight.shape[0]
     per_block = scales.shape[0] != n
-    whole_blocks = not (k % GROUP or n % GROUP) and scales.shape[1] % CUBLAS_BLOCK_SCALE_ALIGN == 0
-    cublas = per_block and whole_blocks and m >= CUBLAS_BLOCK_MIN_ROWS and dtype == torch.bfloat16
+    cublas_layout = not (k % GROUP or n % GROUP or scales.shape[1] % CUBLAS_BLOCK_SCALE_ALIGN)
+    cublas = per_block and cublas_layout and m >= CUBLAS_BLOCK_MIN_ROWS and dtype == torch.bfloat16
     if not x_fp8.is_cuda:
         row_scales = block_scales_per_row(scales, n) if per_block else scales
         y = fp8_row_group_gemm_ref(x_fp8, x_scales, weight, row_scales, dtype)
