@@ -8,7 +8,9 @@ new N-token prompts (requests of one output token, so the batch stays the same s
 8B bench's prompt steps are about ``--batch 512 --context 600 --prompt-tokens 560 --prompts 29``.
 
 Prints wall time per step split into engine parts (schedule, prepare + forward + sample,
-postprocess), the GPU-busy time and the number of kernels per step, and the top CUDA kernels.
+postprocess), the GPU-busy time and the number of kernels per step, and the top CUDA kernels;
+on CUDA graphs, then the decode graph replayed alone against the sum of its kernels (the GPU's
+idle time between kernels inside a graph).
 """
 
 import argparse
@@ -101,7 +103,37 @@ def main() -> None:
     launches = sum(e.count for e in kernels) - copies
     print(f"kernels per step: {launches / 5:.0f} (and {copies / 5:.0f} copies or fills)")
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+    if runner.graphs is not None:
+        replay_alone(runner.graphs, args.batch)
     llm.exit()
+
+
+def replay_alone(graphs, batch: int, reps: int = 50) -> None:
+    """The decode graph of ``batch`` rows replayed back to back (its inputs as the last step left
+    them): its time against the sum of its kernels is how long the GPU waits between kernels
+    inside a graph (launch gaps), apart from the host's share of a step."""
+    rows = next(b for b in graphs.batch_sizes if b >= batch)
+    graph = graphs.graphs[rows]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    wall_ms = start.elapsed_time(end) / reps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    busy_ms = sum(e.self_device_time_total for e in kernels) / 5 / 1e3
+    count = sum(e.count for e in kernels) / 5
+    idle_us = (wall_ms - busy_ms) * 1e3 / max(count, 1)
+    print(
+        f"decode graph ({rows} rows) replayed alone: {wall_ms:.3f} ms, its {count:.0f} kernels "
+        f"{busy_ms:.3f} ms: {idle_us:.2f} us idle per kernel"
+    )
 
 
 if __name__ == "__main__":
