@@ -51,11 +51,16 @@ def make_nanovllm(args, path, dummy, max_model_len: int):
         kv_cache_dtype=args.kv_cache_dtype,
         **given_options(args, "max_num_seqs", "kvcache_block_size", "quantization"),
     )
-    total, phases = time.perf_counter() - start, llm.executor.startup_seconds
-    listed = ", ".join(f"{name} {s:.1f}" for name, s in phases.items())
-    other = total - sum(phases.values())  # the engine around the runner: config, tokenizer, scheduler
-    print(f"nanovllm start-up: {total:.1f} s ({listed}, other {other:.1f})", flush=True)
+    print(f"nanovllm start-up: {startup_line(time.perf_counter() - start, llm, 1)}", flush=True)
     return llm
+
+
+def startup_line(seconds: float, llm, digits: int) -> str:
+    """``seconds`` of start-up with the runner's phases and "other" (the engine around the
+    runner: config, tokenizer, scheduler)."""
+    phases = llm.executor.startup_seconds
+    listed = ", ".join(f"{name} {s:.{digits}f}" for name, s in phases.items())
+    return f"{seconds:.{digits}f} s ({listed}, other {seconds - sum(phases.values()):.{digits}f})"
 
 
 def run_nanovllm(args, path, dummy, runs_prompts, max_tokens) -> dict:

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo_models import SHAPES, write_config
-from nanovllm.scheduling import ScheduledStep, StepOutput
+from nanovllm.scheduling import ScheduledStep
 
 
 def main() -> None:
@@ -49,11 +49,8 @@ def main() -> None:
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=10_000)
     for i in range(args.batch):
         llm.add_request([(i * 7 + j) % 10000 for j in range(args.context)], params)
-    sched, runner, processor = llm.scheduler, llm.executor.runner, llm.output_processor
-
-    def advance(step: ScheduledStep, output: StepOutput) -> None:  # as the engine's step loop
-        processor.process(step, output)
-
+    sched, runner = llm.scheduler, llm.executor.runner
+    advance = llm.output_processor.process  # as the engine's step loop: the step, then its output
     rng = random.Random(0)
 
     def schedule() -> ScheduledStep:
@@ -96,16 +93,22 @@ def main() -> None:
             step = schedule()
             advance(step, runner.run(step.batch))
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    gpu_us = sum(e.self_device_time_total for e in kernels) / 5
-    print(f"GPU busy per step: {gpu_us / 1e3:.3f} ms (so {wall - gpu_us / 1e3:.3f} ms/step not overlapped)")
-    copies = sum(e.count for e in kernels if e.key.startswith(("Memcpy", "Memset")))
-    launches = sum(e.count for e in kernels) - copies
-    print(f"kernels per step: {launches / 5:.0f} (and {copies / 5:.0f} copies or fills)")
+    busy_ms, launches, copies = device_time(prof, 5)
+    print(f"GPU busy per step: {busy_ms:.3f} ms (so {wall - busy_ms:.3f} ms/step not overlapped)")
+    print(f"kernels per step: {launches:.0f} (and {copies:.0f} copies or fills)")
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
     if runner.graphs is not None:
         replay_alone(runner.graphs, args.batch)
     llm.exit()
+
+
+def device_time(prof, reps: int) -> tuple[float, float, float]:
+    """Per repetition of what ``prof`` recorded: ms the device was busy, kernels launched, and
+    copies or fills."""
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    busy_ms = sum(e.self_device_time_total for e in events) / reps / 1e3
+    copies = sum(e.count for e in events if e.key.startswith(("Memcpy", "Memset"))) / reps
+    return busy_ms, sum(e.count for e in events) / reps - copies, copies
 
 
 def replay_alone(graphs, batch: int, reps: int = 50) -> None:
@@ -126,9 +129,8 @@ def replay_alone(graphs, batch: int, reps: int = 50) -> None:
         for _ in range(5):
             graph.replay()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    busy_ms = sum(e.self_device_time_total for e in kernels) / 5 / 1e3
-    count = sum(e.count for e in kernels) / 5
+    busy_ms, launches, copies = device_time(prof, 5)
+    count = launches + copies
     idle_us = (wall_ms - busy_ms) * 1e3 / max(count, 1)
     print(
         f"decode graph ({rows} rows) replayed alone: {wall_ms:.3f} ms, its {count:.0f} kernels "

@@ -17,6 +17,7 @@ import pstats
 import tempfile
 import time
 
+from benchmarks.engines import startup_line
 from nanovllm import LLM
 from nanovllm.demo_models import SHAPES, write_config
 
@@ -28,9 +29,7 @@ def start(path: str, profiler: cProfile.Profile | None) -> LLM:
     llm = LLM(path, load_format="dummy", max_model_len=4096)
     if profiler is not None:
         profiler.disable()
-    total, phases = time.perf_counter() - began, llm.executor.startup_seconds
-    listed = ", ".join(f"{name} {s:.2f}" for name, s in phases.items())
-    print(f"start-up {total:.2f} s ({listed}, other {total - sum(phases.values()):.2f})", flush=True)
+    print(f"start-up {startup_line(time.perf_counter() - began, llm, 2)}", flush=True)
     return llm
 
 

@@ -30,8 +30,7 @@ def test_kernel_matches_reference(dtype, shape):
     want = silu_and_mul_ref(x)
     assert out.shape == want.shape == (*shape[:-1], shape[-1] // 2)
     # both round silu to the dtype, then the product; only exp's last bits may differ
-    tol = TOL[dtype]
-    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(out, want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_reference_with_gate_and_up_side_by_side():
@@ -88,8 +87,7 @@ def test_fp8_kernel_matches_reference(dtype, shape, tiles):
     assert scale.shape == scale_ref.shape == (shape[0], 1)
     if not shape[0]:
         return
-    tol = TOL[dtype]
-    assert_fp8_close((q, scale), (q_ref, scale_ref), tol)
+    assert_fp8_close((q, scale), (q_ref, scale_ref), TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -106,8 +104,7 @@ def test_fp8_kernel_layouts_and_groups_match_reference(dtype, shape, halves, gro
     size = shape[1] // 2
     assert scale.shape == scale_ref.shape == (shape[0], -(-size // group) if group else 1)
     if shape[0]:
-        tol = TOL[dtype]
-        assert_fp8_close((q, scale), (q_ref, scale_ref), tol)
+        assert_fp8_close((q, scale), (q_ref, scale_ref), TOL[dtype])
 
 
 def test_fp8_kernel_on_a_strided_view_and_bad_inputs():
