@@ -17,7 +17,7 @@ from nanovllm.kernels.attention_common import (
     reads_in_fp16,
 )
 from nanovllm.kernels.decode_reduce import combine_splits
-from nanovllm.kernels.device import num_sms
+from nanovllm.kernels.device import num_sms, pdl_options, wait_for_prior_grid
 from nanovllm.kernels.kv_layout import KVLayout
 
 _MIN_ROWS = 16  # tl.dot needs M >= 16: the GQA group is padded up to this
@@ -78,6 +78,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr, FINAL: tl.constexpr, HAS_ORDER: tl.constexpr,
     V_TOKEN_MAJOR: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One program: all GROUP query heads of one KV head over one split of one sequence.
 
@@ -87,6 +88,7 @@ def _decode_split_kernel(
     the context included: :func:`launch_settings` makes SPLIT_ALIGN a multiple of BLOCK_N and
     BLOCK_N a divisor of BLOCK_SIZE.
     """
+    wait_for_prior_grid(PDL)
     split, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_ORDER:  # programs start in launch order; this one takes the row named here
         ordered = tl.load(order_ptr + seq)
@@ -257,6 +259,7 @@ def paged_decode_attention(
         F16_DOT=launch.f16_dot,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
+        **pdl_options(q.device),
     )
     if num_splits > 1:
         combine_splits(part, lse, out)

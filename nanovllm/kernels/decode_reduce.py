@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.device import pdl_options, wait_for_prior_grid
+
 _REDUCE_CHUNK = 64  # splits combined per reduce step (bounds its registers)
 _REDUCE_BLOCK_D = 32  # head dims per reduce program: more programs, each with a short chain
 
@@ -29,8 +31,10 @@ def _decode_reduce_kernel(
     CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Combine the per-split partial outputs of one (sequence, query head), BLOCK_D dims."""
+    wait_for_prior_grid(PDL)
     head = tl.program_id(0)
     seq = tl.program_id(1)
     row0 = (seq * num_heads + head) * num_splits
@@ -69,4 +73,5 @@ def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> 
         CHUNK=min(_REDUCE_CHUNK, triton.next_power_of_2(num_splits)),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
+        **pdl_options(part.device),
     )

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.device import pdl_options, wait_for_prior_grid
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_SCALE = torch.finfo(torch.float32).tiny  # float32's smallest normal
@@ -95,8 +97,10 @@ def _quantize_group_kernel(
     x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm,
     GROUP_SIZE: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr, FMAX: tl.constexpr,
     SMIN: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Row ``program_id(0)``, groups ``GROUPS * program_id(1) ...`` as a ``[GROUPS, BLOCK]`` tile."""
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     j = tl.arange(0, BLOCK)
@@ -129,6 +133,6 @@ def quantize_per_token_group(x: torch.Tensor, group: int = GROUP) -> tuple[torch
     _quantize_group_kernel[(m, triton.cdiv(num_groups, groups))](
         x, q, scales, k, num_groups, x.stride(0),
         GROUP_SIZE=group, BLOCK=block, GROUPS=groups, FMAX=FP8_MAX, SMIN=MIN_SCALE,
-        num_warps=min(16, max(4, block * groups // 256)),
+        num_warps=min(16, max(4, block * groups // 256)), **pdl_options(x.device),
     )  # fmt: skip
     return q, scales

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.device import capability
+from nanovllm.kernels.device import capability, pdl_options, wait_for_prior_grid
 from nanovllm.kernels.fp8 import FP8, GROUP, OUT_DTYPES, dequantize_blockwise_ref
 
 _SUM_BLOCK = 1024  # output columns per program adding split-K shares
@@ -88,11 +88,13 @@ def _fp8_gemm_kernel(
     SCALE_GROUP: tl.constexpr, W_ROWS_PER_SCALE: tl.constexpr, GROUP_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile over features ``K_SHARE * program_id(1) ...`` (all
     of K unless ``SPLIT_K``). ``GROUP_SCALES``: the scales change along K (a scale stride of 0
     repeats one), applied to each group's partial product; otherwise one scale per row and per
     column, applied once to the sum."""
+    wait_for_prior_grid(PDL)
     first_m, first_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_start = tl.program_id(1) * K_SHARE
     k_end = min(K, k_start + K_SHARE)
@@ -135,9 +137,11 @@ def _sum_shares_kernel(
     part_ptr, as_ptr, ws_ptr, out_ptr, M, N, stride_asm, stride_wsn, stride_om,
     W_ROWS_PER_SCALE: tl.constexpr, GROUP_SCALES: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Row ``program_id(0)``, columns ``BLOCK_N * program_id(1) ...`` of a split-K product: the
     shares' sums added in order (the same result on every run), scaled unless they are already."""
+    wait_for_prior_grid(PDL)
     m = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -255,10 +259,12 @@ def fp8_gemm(
         a_fp8.stride(0), a_scales.stride(0), a_group_stride, w_fp8.stride(0),
         w_row_stride, w_group_stride, out.stride(0),
         SCALE_GROUP=GROUP, W_ROWS_PER_SCALE=rows_per_scale, GROUP_SCALES=group_scales, **cfg,
+        **pdl_options(a_fp8.device),
     )  # fmt: skip
     if split > 1:
         _sum_shares_kernel[(m, triton.cdiv(n, _SUM_BLOCK))](
             target, a_scales, w_scales, out, m, n, a_scales.stride(0), w_row_stride, out.stride(0),
             W_ROWS_PER_SCALE=rows_per_scale, GROUP_SCALES=group_scales, SPLIT_K=split, BLOCK_N=_SUM_BLOCK,
+            **pdl_options(target.device),
         )  # fmt: skip
     return out

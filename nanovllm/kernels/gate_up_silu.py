@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.kernels.device import capability, num_sms
+from nanovllm.kernels.device import capability, num_sms, pdl_options, wait_for_prior_grid
 from nanovllm.kernels.silu_and_mul import silu_and_mul_ref
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, warp-specialised): the best of a sweep on H200 at
@@ -38,7 +38,9 @@ def _gate_up_silu_kernel(
     x_desc, w_desc, out_desc, M, N, K, num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_prior_grid(PDL)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
     for tile in tl.range(
@@ -117,6 +119,6 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, tile: tuple | None = Non
         TensorDescriptor.from_tensor(out, [bm, bn // 2]),
         m, n, k, programs,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=_GROUP_M, WARP_SPECIALIZE=warp_specialize,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl_options(x.device),
     )  # fmt: skip
     return out

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.device import pdl_options, wait_for_prior_grid
 from nanovllm.kernels.kv_layout import KVLayout
 
 
@@ -126,9 +127,11 @@ def _qk_norm_rope_store_kernel(
     BLOCK_SIZE: tl.constexpr,
     V_TOKEN_MAJOR: tl.constexpr,
     V_LARGEST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per token: all its q heads and kv heads. The V cache's strides (block,
     head, dim) are read only when it is token-major."""
+    wait_for_prior_grid(PDL)
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     offs = tl.arange(0, HALF)[None, :]
@@ -227,5 +230,6 @@ def qk_norm_rope_store(
         BLOCK_SIZE=k_cache.shape[1],
         V_TOKEN_MAJOR=layout.v_token_major,
         V_LARGEST=torch.finfo(v_cache.dtype).max,
+        **pdl_options(q.device),
     )
     return q, k

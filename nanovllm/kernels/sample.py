@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.device import pdl_options, wait_for_prior_grid
+
 NO_TOKEN = -1
 NOT_FINITE = -2
 _NOT_FINITE = tl.constexpr(NOT_FINITE)
@@ -113,8 +115,10 @@ def _chunk_stats_kernel(
     stride_row,
     num_chunks,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Per (row, chunk): the max logit, its first index, and the sum of 2^((x - max) * scale)."""
+    wait_for_prior_grid(PDL)
     row, chunk = tl.program_id(0), tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -149,7 +153,9 @@ def _sample_kernel(
     HAS_SEEDS: tl.constexpr,
     CHUNK: tl.constexpr,
     MAX_CHUNKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0)
     chunks = tl.arange(0, MAX_CHUNKS)
     valid = chunks < num_chunks
@@ -220,6 +226,7 @@ def sample_tokens(
         num_chunks,
         CHUNK=_CHUNK,
         num_warps=_NUM_WARPS,
+        **pdl_options(logits.device),
     )
     _sample_kernel[(rows,)](
         logits,
@@ -238,5 +245,6 @@ def sample_tokens(
         CHUNK=_CHUNK,
         MAX_CHUNKS=triton.next_power_of_2(num_chunks),
         num_warps=_NUM_WARPS,
+        **pdl_options(logits.device),
     )
     return out

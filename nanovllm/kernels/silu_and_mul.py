@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.device import pdl_options, wait_for_prior_grid
 from nanovllm.kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_per_token_group_ref, round_to_e4m3
 
 _BLOCK = 1024  # output columns per program
@@ -59,7 +60,8 @@ def _swiglu(row_ptr, cols, mask, up_offset, PAIRED: tl.constexpr, STEP: tl.const
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, size, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
@@ -78,11 +80,13 @@ def _silu_and_mul_fp8_kernel(
     x_ptr, q_ptr, s_ptr, size, stride_x, chunk, up_offset,
     BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr, PAIRED: tl.constexpr, STEP: tl.constexpr,
     FMAX: tl.constexpr, SMIN: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Token ``program_id(0)``. ``WHOLE_ROW`` (``size <= BLOCK``): its values computed once and
     kept; else a pass over the row for its largest magnitude and a second that computes again and
     stores columns ``chunk * program_id(1) ...`` (a row split over programs: at a few tokens the
     row is in L2, and a single program walking it twice is bound by its loads' latency)."""
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * size
     if WHOLE_ROW:
@@ -109,9 +113,11 @@ def _silu_and_mul_fp8_kernel(
 def _silu_and_mul_fp8_group_kernel(
     x_ptr, q_ptr, s_ptr, size, stride_x, up_offset,
     GROUP: tl.constexpr, GROUPS: tl.constexpr, STEP: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Token ``program_id(0)``, its groups of ``GROUP`` features ``GROUPS * program_id(1) ...``,
     each with its own scale (one pass: no row-wide maximum to wait for)."""
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -137,7 +143,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if out.numel():
         grid = (x2d.shape[0], triton.cdiv(size, _BLOCK))
         _silu_and_mul_kernel[grid](
-            x2d, out, size, x2d.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=_NUM_WARPS
+            x2d,
+            out,
+            size,
+            x2d.stride(0),
+            out.stride(0),
+            BLOCK=_BLOCK,
+            num_warps=_NUM_WARPS,
+            **pdl_options(x2d.device),
         )
     return out.view(*x.shape[:-1], size)
 
@@ -177,6 +190,7 @@ def silu_and_mul_fp8(
         _silu_and_mul_fp8_group_kernel[(rows, triton.cdiv(scale.shape[1], groups))](
             x, q, scale, size, x.stride(0), up_offset,
             GROUP=group, GROUPS=groups, STEP=step, FMAX=FP8_MAX, SMIN=MIN_SCALE, num_warps=_NUM_WARPS,
+            **pdl_options(x.device),
         )  # fmt: skip
     elif rows and size:
         default_block, default_warps, default_chunks = (
@@ -189,6 +203,6 @@ def silu_and_mul_fp8(
         _silu_and_mul_fp8_kernel[(rows, triton.cdiv(size, chunk))](
             x, q, scale, size, x.stride(0), chunk, up_offset,
             BLOCK=block, WHOLE_ROW=whole_row, PAIRED=paired, STEP=step, FMAX=FP8_MAX, SMIN=MIN_SCALE,
-            num_warps=num_warps,
+            num_warps=num_warps, **pdl_options(x.device),
         )  # fmt: skip
     return q, scale
