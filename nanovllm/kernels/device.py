@@ -44,7 +44,15 @@ def pdl_options(device: torch.device) -> dict[str, bool]:
     """Launch options of a kernel taking a ``PDL`` constexpr: on Hopper and later, launched as a
     programmatic dependent of the kernel before it (its grid scheduled while that one ends), and
     waiting for that kernel's results at its first instruction (:func:`wait_for_prior_grid`)."""
-    on = device.type == "cuda" and _PDL_AVAILABLE and capability(device)[0] >= 9
+    return _cuda_pdl_options(_cuda_index(device)) if device.type == "cuda" else _NO_PDL
+
+
+_NO_PDL = {"PDL": False, "launch_pdl": False}
+
+
+@functools.cache
+def _cuda_pdl_options(index: int) -> dict[str, bool]:
+    on = _PDL_AVAILABLE and _cuda_capability(index)[0] >= 9
     return {"PDL": on, "launch_pdl": on}
 
 
