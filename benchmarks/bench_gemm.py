@@ -17,7 +17,10 @@ output is checked before it is timed.
 one 16-row tile of rows (each program reads a slice of the weight's rows over a share of K, the
 shares' fp32 partial sums then added by a second kernel): it asks whether reading the weight is
 where cuBLAS loses time at batch 1 to 16, where a decode step is bound by reading the weights.
-Also a probe; each figure comes with its share of the copy rate on the weight's bytes.
+"gemv" is the same in one launch (the last program of a column tile adds the shares, in order,
+so no second kernel and no run-to-run difference), as cuBLAS's split-K GEMMs need a reduce
+kernel after them. Also probes; each figure comes with its share of the copy rate on the
+weight's bytes.
 
 A second row for gate_up, "gate_up+silu", sets cuBLAS (and cuBLASLt) followed by the engine's
 SwiGLU kernel against the engine's GEMM with SwiGLU in its epilogue (``gate_up_silu``, gate
@@ -117,6 +120,66 @@ def _sum_shares_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.
     for share in range(SPLIT):
         acc += tl.load(part_ptr + share * numel + offs, mask=offs < numel, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < numel)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, part_ptr, count_ptr, out_ptr, M, N, K, K_SHARE,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    # out = x @ w.T for M <= BLOCK_M rows, one launch: program (column tile, share) sums its K
+    # share into part[share] (fp32); the last of a column tile's SPLIT programs to finish (a
+    # counter per tile, reset by that program for the next launch) adds the shares in order,
+    # so the result does not depend on which program finished when.
+    pid_n, share = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = share * K_SHARE + tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + offs_m[:, None] * K + offs_k[None, :]
+    w_tile = w_ptr + offs_n[:, None] * K + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K_SHARE, BLOCK_K):
+        x = tl.load(x_tile, mask=offs_m[:, None] < M, other=0.0)
+        w = tl.load(w_tile, mask=offs_n[:, None] < N, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tile = offs_m[:, None] * N + offs_n[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + share * M * N + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's share stored before the counter says so
+        if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT):
+                acc += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(count_ptr + pid_n, 0)
+
+
+_GEMV_WORKSPACE: dict = {}
+
+
+def gemv_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple) -> torch.Tensor:
+    """``tile``: ``SPLITK_TILES``' six entries (BLOCK_M 16: rows <= 16), one launch."""
+    (M, K), N = x.shape, out.shape[1]
+    if M > 16:
+        raise ValueError(f"gemv_linear takes up to 16 rows, not {M}")
+    _, bn, bk, warps, stages, split = tile
+    key = (x.device, M, N, bn, split)
+    if key not in _GEMV_WORKSPACE:  # made outside the timed graph: the first call is untimed
+        _GEMV_WORKSPACE[key] = (
+            torch.empty(split, M, N, dtype=torch.float32, device=x.device),
+            torch.zeros(triton.cdiv(N, bn), dtype=torch.int32, device=x.device),
+        )
+    part, count = _GEMV_WORKSPACE[key]
+    _gemv_kernel[(triton.cdiv(N, bn), split)](
+        x, w, part, count, out, M, N, K, K // split, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk,
+        SPLIT=split, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
 
 
 def triton_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple) -> torch.Tensor:
@@ -225,7 +288,8 @@ def main() -> None:
     torch.manual_seed(0)
     libraries = args.libraries.split(",")
     kernels = [("triton", triton_linear, TILES)] if args.triton else []
-    kernels += [("splitk", triton_linear, SPLITK_TILES)] if args.splitk else []
+    if args.splitk:
+        kernels += [("splitk", triton_linear, SPLITK_TILES), ("gemv", gemv_linear, SPLITK_TILES)]
     dims = projections(args.shape)
     ws = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(args.layers)]
           for name, (k, n) in dims.items()}  # fmt: skip
@@ -244,6 +308,8 @@ def main() -> None:
                 totals[library] = totals.get(library, 0.0) + us
                 cells.append(f"{library} {us:8.1f} us {flop / us / 1e6:4.0f} TFLOP/s {read / us:4.0%} copy")
             for kind, linear, tiles in kernels:
+                if kind == "gemv" and rows > 16:
+                    continue
                 us, tile = time_triton(xs, ws[name], args.rep_ms, linear=linear, tiles=tiles)
                 totals[kind] = totals.get(kind, 0.0) + us
                 cells.append(
