@@ -82,6 +82,23 @@ SPLITK_TILES = [
 
 
 @triton.jit
+def _share_product(x_ptr, w_ptr, offs_m, offs_n, M, N, K, share, K_SHARE, BLOCK_K: tl.constexpr):
+    """fp32 ``x[offs_m] @ w[offs_n].T`` over K share ``share`` (``K_SHARE`` features, a multiple
+    of BLOCK_K); x and w contiguous."""
+    offs_k = share * K_SHARE + tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + offs_m[:, None] * K + offs_k[None, :]
+    w_tile = w_ptr + offs_n[:, None] * K + offs_k[None, :]
+    acc = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
+    for _ in range(0, K_SHARE, BLOCK_K):
+        x = tl.load(x_tile, mask=offs_m[:, None] < M, other=0.0)
+        w = tl.load(w_tile, mask=offs_n[:, None] < N, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K
+    return acc
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, K_SHARE,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -99,16 +116,7 @@ def _gemm_kernel(
     pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = share * K_SHARE + tl.arange(0, BLOCK_K)
-    x_tile = x_ptr + offs_m[:, None] * K + offs_k[None, :]
-    w_tile = w_ptr + offs_n[:, None] * K + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, K_SHARE, BLOCK_K):
-        x = tl.load(x_tile, mask=offs_m[:, None] < M, other=0.0)
-        w = tl.load(w_tile, mask=offs_n[:, None] < N, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-        x_tile += BLOCK_K
-        w_tile += BLOCK_K
+    acc = _share_product(x_ptr, w_ptr, offs_m, offs_n, M, N, K, share, K_SHARE, BLOCK_K)
     out = out_ptr + share * M * N + offs_m[:, None] * N + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(out, acc if PARTIAL else acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -135,16 +143,7 @@ def _gemv_kernel(
     pid_n, share = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = share * K_SHARE + tl.arange(0, BLOCK_K)
-    x_tile = x_ptr + offs_m[:, None] * K + offs_k[None, :]
-    w_tile = w_ptr + offs_n[:, None] * K + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, K_SHARE, BLOCK_K):
-        x = tl.load(x_tile, mask=offs_m[:, None] < M, other=0.0)
-        w = tl.load(w_tile, mask=offs_n[:, None] < N, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-        x_tile += BLOCK_K
-        w_tile += BLOCK_K
+    acc = _share_product(x_ptr, w_ptr, offs_m, offs_n, M, N, K, share, K_SHARE, BLOCK_K)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tile = offs_m[:, None] * N + offs_n[None, :]
     if SPLIT == 1:
