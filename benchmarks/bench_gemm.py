@@ -20,7 +20,7 @@ where cuBLAS loses time at batch 1 to 16, where a decode step is bound by readin
 "gemv" is the same in one launch (the last program of a column tile adds the shares, in order,
 so no second kernel and no run-to-run difference), as cuBLAS's split-K GEMMs need a reduce
 kernel after them. Also probes; each figure comes with its share of the copy rate on the
-weight's bytes.
+weight's bytes. "engine" is the engine's own ``small_batch_gemm`` with its one setting.
 
 A second row for gate_up, "gate_up+silu", sets cuBLAS (and cuBLASLt) followed by the engine's
 SwiGLU kernel against the engine's GEMM with SwiGLU in its epilogue (``gate_up_silu``, gate
@@ -40,6 +40,7 @@ from triton.testing import do_bench
 from nanovllm.demo_models import SHAPES
 from nanovllm.kernels.gate_up_silu import gate_up_silu
 from nanovllm.kernels.silu_and_mul import silu_and_mul
+from nanovllm.kernels.small_batch_gemm import MAX_ROWS, small_batch_gemm
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
 TILES = [
@@ -246,12 +247,12 @@ def checked_tiles(linear, x, w, out, expected, tiles):
 
 
 def time_triton(xs, ws, rep_ms: int, linear=triton_linear, tiles=TILES) -> tuple[float, tuple]:
-    """Best microseconds of ``linear`` over ``tiles`` (each checked against cuBLAS first), and
-    its tile."""
+    """Best microseconds of ``linear`` over ``tiles`` (each checked against cuBLAS first; None:
+    a kernel's own setting), and its tile."""
     outs = [torch.empty(x.shape[0], ws[0].shape[0], dtype=x.dtype, device=x.device) for x in xs]
     expected = F.linear(xs[0], ws[0]).float()
     (rows, k), split = xs[0].shape, lambda t: (*t, 1)[5]  # split-K tiles: 6 entries
-    tiles = [t for t in tiles if k % (t[2] * split(t)) == 0 and (split(t) == 1 or rows <= t[0])]
+    tiles = [t for t in tiles if t is None or k % (t[2] * split(t)) == 0 and (split(t) == 1 or rows <= t[0])]
     best = (float("inf"), None)
     for tile in checked_tiles(linear, xs[0], ws[0], outs[0], expected, tiles):
         calls = [partial(linear, x, w, o, tile) for x, w, o in zip(xs, ws, outs)]
@@ -290,6 +291,7 @@ def main() -> None:
     kernels = [("triton", triton_linear, TILES)] if args.triton else []
     if args.splitk:
         kernels += [("splitk", triton_linear, SPLITK_TILES), ("gemv", gemv_linear, SPLITK_TILES)]
+        kernels += [("engine", lambda x, w, out, tile: small_batch_gemm(x, w), [None])]
     dims = projections(args.shape)
     ws = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(args.layers)]
           for name, (k, n) in dims.items()}  # fmt: skip
@@ -308,7 +310,7 @@ def main() -> None:
                 totals[library] = totals.get(library, 0.0) + us
                 cells.append(f"{library} {us:8.1f} us {flop / us / 1e6:4.0f} TFLOP/s {read / us:4.0%} copy")
             for kind, linear, tiles in kernels:
-                if kind == "gemv" and rows > 16:
+                if kind in ("gemv", "engine") and rows > MAX_ROWS:
                     continue
                 us, tile = time_triton(xs, ws[name], args.rep_ms, linear=linear, tiles=tiles)
                 totals[kind] = totals.get(kind, 0.0) + us

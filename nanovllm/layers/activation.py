@@ -1,7 +1,6 @@
 """SwiGLU with its gate/up projection: one column-parallel GEMM, then silu(gate) * up."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.fp8 import FP8, GROUP
@@ -60,4 +59,4 @@ class GateUpSwiGLU(ColumnParallelLinear):
             return gate_up_silu_ref(x, self.weight)
         if gate_up_silu_fits(x, self.weight):
             return gate_up_silu(x, self.weight)
-        return silu_and_mul(F.linear(x, self.weight))
+        return silu_and_mul(self.dense_forward(x, None))

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.fp8 import FP8, GROUP
+from nanovllm.kernels.small_batch_gemm import small_batch_gemm, small_batch_gemm_pays
 from nanovllm.layers.fp8 import (
     PER_ROW_SCALED,
     block_scales_per_row,
@@ -122,7 +123,14 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == FP8:
             return self.fp8_forward(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.dense_forward(x, self.bias)
+
+    def dense_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The product with a model-dtype weight: at decode sizes, where it pays, the kernel that
+        streams the weight in one launch; cuBLAS otherwise."""
+        if small_batch_gemm_pays(x, self.weight.shape[0]):
+            return small_batch_gemm(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def fp8_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if hasattr(self, "weight_scale_inv"):
@@ -198,5 +206,5 @@ class RowParallelLinear(LinearBase):
         if self.weight.dtype == FP8:
             y = self.tp.all_reduce(self.fp8_forward(x, None))
         else:
-            y = self.tp.all_reduce(F.linear(x, self.weight))
+            y = self.tp.all_reduce(self.dense_forward(x, None))
         return y + self.bias if self.bias is not None else y

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.kernels.small_batch_gemm import small_batch_gemm, small_batch_gemm_pays
 from tests.checkpoints import make_random_checkpoint
 from tests.conftest import hf_greedy
 from tests.end_to_end.arrivals import num_mixed_steps, run_with_arrivals
@@ -192,3 +193,31 @@ def test_interrupted_generate_then_correct_with_graphs_and_async(
         assert [o["token_ids"] for o in outs] == hf_reference(gpu_model_dir, prompts, 32)
     finally:
         llm.exit()
+
+
+def test_small_batch_gemm_logits_close_to_hf(tmp_path, monkeypatch):
+    # wide enough that every projection has a program for each SM: a prompt of 12 tokens, like a
+    # decode batch of 12 rows, takes the small-batch kernel instead of cuBLAS
+    import nanovllm.layers.linear as linear
+
+    model_dir = make_random_checkpoint(
+        str(tmp_path), hidden_size=2304, intermediate_size=4608, num_hidden_layers=2,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+    )  # fmt: skip
+    if not small_batch_gemm_pays(torch.zeros(12, 8, dtype=torch.bfloat16, device="cuda"), 2304):
+        pytest.skip("this GPU has too many SMs for the test model's widths")
+    calls = []
+    monkeypatch.setattr(linear, "small_batch_gemm", lambda *a: calls.append(1) or small_batch_gemm(*a))
+    prompt = [5 + 7 * i for i in range(12)]
+    llm = gpu_llm(model_dir, "triton", True, dtype="bfloat16")
+    try:
+        ours, _ = prefill_logits(llm, prompt)
+    finally:
+        llm.exit()
+    assert len(calls) == 2 * 4  # q/k/v, o, gate/up and down of both layers
+    ref = hf_logits(model_dir, prompt, torch.bfloat16, "cuda")
+    exact = hf_logits(model_dir, prompt, torch.float32, "cuda")
+    # as test_bf16_logits_close_to_hf: our bf16 error no worse than 1.5x HF's own (+ slack)
+    ours_err = (ours - exact).abs().max().item()
+    hf_err = (ref - exact).abs().max().item()
+    assert ours_err <= 1.5 * hf_err + 0.02, (ours_err, hf_err)

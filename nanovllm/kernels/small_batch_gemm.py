@@ -1,0 +1,93 @@
+"""``x @ w.T (+ b)`` for decode-sized batches (up to 16 rows), where a step is bound by reading
+the weights: one 16-row tile of rows, each program streaming ``BLOCK_N`` of the weight's rows
+over all of K. The weight is read once, in one launch, with no split-K reduce after it (cuBLAS
+cuts K for the 8B's o and down projections at these sizes and adds a reduce kernel each); the
+sum over K runs in one order whatever the batch holds. Worth it only where the weight's rows
+give every SM a program (:func:`small_batch_gemm_pays`); cuBLAS elsewhere."""
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.device import num_sms, pdl_options, wait_for_prior_grid
+
+MAX_ROWS = 16  # one tile of rows: tl.dot's smallest
+_BLOCK_N = 16  # weight rows per program
+_BLOCK_K = 512  # features per step: 16 KB of a bf16 weight in flight per stage
+_NUM_WARPS = 4
+_NUM_STAGES = 3
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def small_batch_gemm_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)``: ``x`` ``[rows, in]``, ``w`` ``[out, in]`` as checkpoints store it."""
+    return F.linear(x, w, bias)
+
+
+def small_batch_gemm_pays(x: torch.Tensor, out_features: int) -> bool:
+    """Whether :func:`small_batch_gemm` should take ``x`` (``[rows, in]``) times a weight of
+    ``out_features`` rows: 1-16 rows of a 16-bit dtype on a CUDA device, and a program for
+    every SM without cutting K."""
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and out_features >= _BLOCK_N * num_sms(x.device)
+    )
+
+
+@triton.jit
+def _small_batch_gemm_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_prior_grid(PDL)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_tile = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+    rows, cols = offs_m[:, None] < M, offs_n[:, None] < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_tile, mask=rows, other=0.0)
+            w = tl.load(w_tile, mask=cols, other=0.0)
+        else:
+            in_k = offs_k[None, :] < K - k
+            x = tl.load(x_tile, mask=rows & in_k, other=0.0)
+            w = tl.load(w_tile, mask=cols & in_k, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rows & (offs_n[None, :] < N))
+
+
+def small_batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for ``x`` ``[rows, in]`` of 1-16 rows (unit stride along features),
+    ``w`` ``[out, in]`` contiguous, both one of float32 / float16 / bfloat16; fp32 sums over K
+    in steps of ``_BLOCK_K``, rounded once to ``x.dtype``."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"expected x [rows, in] and w [out, in], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if not 0 < x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"small_batch_gemm takes 1 to {MAX_ROWS} rows, not {x.shape[0]}")
+    if x.dtype not in _DTYPES or w.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"x, w and bias must share one of {_DTYPES}, not {x.dtype} and {w.dtype}")
+    if x.stride(1) != 1 or not w.is_contiguous():
+        raise ValueError("x needs unit stride along its features and w must be contiguous")
+    (m, k), n = x.shape, w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _small_batch_gemm_kernel[(triton.cdiv(n, _BLOCK_N),)](
+        x, w, w if bias is None else bias, out, m, n, k, x.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % _BLOCK_K == 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32: ignored for 16-bit inputs
+        BLOCK_M=MAX_ROWS, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **pdl_options(x.device),
+    )  # fmt: skip
+    return out
