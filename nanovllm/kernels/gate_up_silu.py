@@ -33,6 +33,17 @@ def gate_up_silu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_ref(F.linear(x, weight))
 
 
+@triton.jit
+def swiglu_of_pairs(acc, dtype: tl.constexpr):
+    """``[rows, 2 * size]`` fp32 products, gate and up columns interleaved, to ``[rows, size]``
+    ``silu(gate) * up`` in ``dtype``, rounded where the reference rounds: the projection, silu,
+    the product."""
+    gate, up = tl.split(tl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)))
+    gate, up = gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
+
 @triton.jit(do_not_specialize=["M", "num_programs"])  # a step's size: no new variant
 def _gate_up_silu_kernel(
     x_desc, w_desc, out_desc, M, N, K, num_programs,
@@ -53,12 +64,7 @@ def _gate_up_silu_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             acc = tl.dot(x_desc.load([off_m, k]), w_desc.load([off_n, k]).T, acc)
-        dtype = out_desc.dtype
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-        # rounded where the reference rounds: the projection, silu, the product
-        gate, up = gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        out_desc.store([off_m, off_n // 2], (act * up).to(dtype))
+        out_desc.store([off_m, off_n // 2], swiglu_of_pairs(acc, out_desc.dtype))
 
 
 def _block_n(n: int, block_n: int = TILE[1]) -> int:

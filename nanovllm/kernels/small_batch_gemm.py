@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.device import num_sms, pdl_options, wait_for_prior_grid
+from nanovllm.kernels.gate_up_silu import gate_up_silu_ref, swiglu_of_pairs
 
 MAX_ROWS = 16  # one tile of rows: tl.dot's smallest
 _BLOCK_N = 16  # weight rows per program
@@ -20,9 +21,12 @@ _NUM_STAGES = 3
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def small_batch_gemm_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)``: ``x`` ``[rows, in]``, ``w`` ``[out, in]`` as checkpoints store it."""
-    return F.linear(x, w, bias)
+def small_batch_gemm_ref(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False
+) -> torch.Tensor:
+    """``F.linear(x, w, bias)``: ``x`` ``[rows, in]``, ``w`` ``[out, in]`` as checkpoints store it;
+    ``swiglu``: then SwiGLU of its interleaved gate and up columns."""
+    return gate_up_silu_ref(x, w) if swiglu else F.linear(x, w, bias)
 
 
 def small_batch_gemm_pays(x: torch.Tensor, out_features: int) -> bool:
@@ -41,7 +45,7 @@ def small_batch_gemm_pays(x: torch.Tensor, out_features: int) -> bool:
 @triton.jit
 def _small_batch_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_prior_grid(PDL)
@@ -65,14 +69,23 @@ def _small_batch_gemm_kernel(
         w_tile += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rows & (offs_n[None, :] < N))
+    if SWIGLU:  # weight rows 2j, 2j + 1 (gate, up) give output column j
+        offs_j = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        out = out_ptr + offs_m[:, None] * (N // 2) + offs_j[None, :]
+        tl.store(out, swiglu_of_pairs(acc, out_ptr.dtype.element_ty), mask=rows & (offs_j[None, :] < N // 2))
+    else:
+        out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rows & (offs_n[None, :] < N))
 
 
-def small_batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def small_batch_gemm(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False
+) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for ``x`` ``[rows, in]`` of 1-16 rows (unit stride along features),
     ``w`` ``[out, in]`` contiguous, both one of float32 / float16 / bfloat16; fp32 sums over K
-    in steps of ``_BLOCK_K``, rounded once to ``x.dtype``."""
+    in steps of ``_BLOCK_K``, rounded once to ``x.dtype``. ``swiglu``: ``w`` holds gate and up
+    rows interleaved, and the result is ``silu(gate) * up``, ``[rows, out / 2]``, as
+    :func:`~nanovllm.kernels.gate_up_silu.gate_up_silu_ref` rounds it."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"expected x [rows, in] and w [out, in], got {tuple(x.shape)} and {tuple(w.shape)}")
     if not 0 < x.shape[0] <= MAX_ROWS:
@@ -82,10 +95,12 @@ def small_batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     if x.stride(1) != 1 or not w.is_contiguous():
         raise ValueError("x needs unit stride along its features and w must be contiguous")
     (m, k), n = x.shape, w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if swiglu and (n % 2 or bias is not None):
+        raise ValueError(f"swiglu needs interleaved gate/up rows (an even count, not {n}) and no bias")
+    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     _small_batch_gemm_kernel[(triton.cdiv(n, _BLOCK_N),)](
         x, w, w if bias is None else bias, out, m, n, k, x.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % _BLOCK_K == 0,
+        HAS_BIAS=bias is not None, SWIGLU=swiglu, EVEN_K=k % _BLOCK_K == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32: ignored for 16-bit inputs
         BLOCK_M=MAX_ROWS, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **pdl_options(x.device),

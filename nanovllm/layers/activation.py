@@ -1,6 +1,7 @@
 """SwiGLU with its gate/up projection: one column-parallel GEMM, then silu(gate) * up."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels.fp8 import FP8, GROUP
@@ -10,6 +11,7 @@ from nanovllm.kernels.silu_and_mul import (
     silu_and_mul_fp8,
     silu_and_mul_fp8_ref,
 )
+from nanovllm.kernels.small_batch_gemm import small_batch_gemm, small_batch_gemm_pays
 from nanovllm.layers.fp8 import QuantizedActivation
 from nanovllm.layers.linear import ColumnParallelLinear
 from nanovllm.layers.parallel import TPGroup, copy_weight, shard_of
@@ -57,6 +59,8 @@ class GateUpSwiGLU(ColumnParallelLinear):
             return QuantizedActivation(*swiglu_fp8(rows, halves=self.halves, group=group), y.dtype)
         if not x.is_cuda:
             return gate_up_silu_ref(x, self.weight)
+        if small_batch_gemm_pays(x, self.weight.shape[0]):
+            return small_batch_gemm(x, self.weight, swiglu=True)
         if gate_up_silu_fits(x, self.weight):
             return gate_up_silu(x, self.weight)
-        return silu_and_mul(self.dense_forward(x, None))
+        return silu_and_mul(F.linear(x, self.weight))

@@ -198,6 +198,7 @@ def test_interrupted_generate_then_correct_with_graphs_and_async(
 def test_small_batch_gemm_logits_close_to_hf(tmp_path, monkeypatch):
     # wide enough that every projection has a program for each SM: a prompt of 12 tokens, like a
     # decode batch of 12 rows, takes the small-batch kernel instead of cuBLAS
+    import nanovllm.layers.activation as activation
     import nanovllm.layers.linear as linear
 
     model_dir = make_random_checkpoint(
@@ -207,14 +208,20 @@ def test_small_batch_gemm_logits_close_to_hf(tmp_path, monkeypatch):
     if not small_batch_gemm_pays(torch.zeros(12, 8, dtype=torch.bfloat16, device="cuda"), 2304):
         pytest.skip("this GPU has too many SMs for the test model's widths")
     calls = []
-    monkeypatch.setattr(linear, "small_batch_gemm", lambda *a: calls.append(1) or small_batch_gemm(*a))
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return small_batch_gemm(*args, **kwargs)
+
+    for layers in (linear, activation):
+        monkeypatch.setattr(layers, "small_batch_gemm", counted)
     prompt = [5 + 7 * i for i in range(12)]
     llm = gpu_llm(model_dir, "triton", True, dtype="bfloat16")
     try:
         ours, _ = prefill_logits(llm, prompt)
     finally:
         llm.exit()
-    assert len(calls) == 2 * 4  # q/k/v, o, gate/up and down of both layers
+    assert len(calls) == 2 * 4  # q/k/v, o, gate/up (with SwiGLU) and down of both layers
     ref = hf_logits(model_dir, prompt, torch.bfloat16, "cuda")
     exact = hf_logits(model_dir, prompt, torch.float32, "cuda")
     # as test_bf16_logits_close_to_hf: our bf16 error no worse than 1.5x HF's own (+ slack)

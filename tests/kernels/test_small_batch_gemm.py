@@ -76,14 +76,38 @@ def test_taken_only_for_small_16_bit_batches_on_cuda():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the 8B's projections at decode sizes, in bf16 on the GPU")
 @pytest.mark.parametrize("rows", [1, 7, 16])
-@pytest.mark.parametrize("k, n", [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)])
-def test_decoder_projections_on_cuda(rows, k, n):
+@pytest.mark.parametrize(
+    "k, n, swiglu",
+    [(4096, 6144, False), (4096, 4096, False), (4096, 24576, False), (4096, 24576, True)]
+    + [(12288, 4096, False)],  # the 8B's q/k/v, o, gate/up (alone and with SwiGLU), down
+)
+def test_decoder_projections_on_cuda(rows, k, n, swiglu):
     gen = torch.Generator().manual_seed(k + n)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16).cuda()
     graph = torch.cuda.CUDAGraph()
-    small_batch_gemm(x, w)  # compiled outside the capture
+    small_batch_gemm(x, w, swiglu=swiglu)  # compiled outside the capture
     with torch.cuda.graph(graph):
-        got = small_batch_gemm(x, w)
+        got = small_batch_gemm(x, w, swiglu=swiglu)
     graph.replay()
-    _close(got, small_batch_gemm_ref(x.double(), w.double()).to(torch.bfloat16))
+    _close(got, small_batch_gemm_ref(x, w, swiglu=swiglu))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, MAX_ROWS])
+def test_swiglu_epilogue_matches_reference(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 512, generator=gen).to(dtype).to(DEVICE)
+    w = (2 * torch.randn(2 * 40, 512, generator=gen) / 512**0.5).to(dtype).to(DEVICE)  # 40 pairs: a part tile
+    got = small_batch_gemm(x, w, swiglu=True)
+    assert got.shape == (rows, 40)
+    # the same roundings in the same places; the products' sums may differ in their last bit
+    _close(got, small_batch_gemm_ref(x, w, swiglu=True))
+
+
+def test_swiglu_needs_pairs_and_no_bias():
+    x = torch.zeros(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="even"):
+        small_batch_gemm(x, torch.zeros(33, 64, device=DEVICE), swiglu=True)
+    with pytest.raises(ValueError, match="no bias"):
+        small_batch_gemm(x, torch.zeros(32, 64, device=DEVICE), torch.zeros(32, device=DEVICE), swiglu=True)
