@@ -199,11 +199,12 @@ def test_small_batch_gemm_logits_close_to_hf(tmp_path, monkeypatch):
     # wide enough that every projection has a program for each SM: a prompt of 12 tokens, like a
     # decode batch of 12 rows, takes the small-batch kernel instead of cuBLAS
     import nanovllm.layers.activation as activation
+    import nanovllm.layers.embed_head as embed_head
     import nanovllm.layers.linear as linear
 
     model_dir = make_random_checkpoint(
         str(tmp_path), hidden_size=2304, intermediate_size=4608, num_hidden_layers=2,
-        num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=4096,
     )  # fmt: skip
     if not small_batch_gemm_pays(torch.zeros(12, 8, dtype=torch.bfloat16, device="cuda"), 2304):
         pytest.skip("this GPU has too many SMs for the test model's widths")
@@ -213,15 +214,16 @@ def test_small_batch_gemm_logits_close_to_hf(tmp_path, monkeypatch):
         calls.append(1)
         return small_batch_gemm(*args, **kwargs)
 
-    for layers in (linear, activation):
+    for layers in (linear, activation, embed_head):
         monkeypatch.setattr(layers, "small_batch_gemm", counted)
     prompt = [5 + 7 * i for i in range(12)]
     llm = gpu_llm(model_dir, "triton", True, dtype="bfloat16")
     try:
+        calls.clear()  # start-up's own forward passes
         ours, _ = prefill_logits(llm, prompt)
     finally:
         llm.exit()
-    assert len(calls) == 2 * 4  # q/k/v, o, gate/up (with SwiGLU) and down of both layers
+    assert len(calls) == 2 * 4 + 1  # q/k/v, o, gate/up (with SwiGLU), down of both layers; LM head
     ref = hf_logits(model_dir, prompt, torch.bfloat16, "cuda")
     exact = hf_logits(model_dir, prompt, torch.float32, "cuda")
     # as test_bf16_logits_close_to_hf: our bf16 error no worse than 1.5x HF's own (+ slack)
