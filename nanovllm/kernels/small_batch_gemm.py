@@ -42,7 +42,7 @@ def small_batch_gemm_pays(x: torch.Tensor, out_features: int) -> bool:
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one variant for 1-16 rows: no compile when a batch size is new
 def _small_batch_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm,
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
