@@ -17,6 +17,9 @@ output is checked before it is timed.
 one 16-row tile of rows (each program reads a slice of the weight's rows over a share of K, the
 shares' fp32 partial sums then added by a second kernel): it asks whether reading the weight is
 where cuBLAS loses time at batch 1 to 16, where a decode step is bound by reading the weights.
+Above 16 rows it sweeps ``MID_SPLITK_TILES`` instead (32-256 rows in 32- to 256-row tiles, K in
+1 to 8 shares): whether more programs than output tiles help where a projection's output is too
+narrow to give every SM a tile (the 0.6B shape's o and down at 256 rows: 16 tiles of 128 x 128).
 "gemv" is the same in one launch (the last program of a column tile adds the shares, in order,
 so no second kernel and no run-to-run difference), as cuBLAS's split-K GEMMs need a reduce
 kernel after them. Also probes; each figure comes with its share of the copy rate on the
@@ -79,6 +82,17 @@ SPLITK_TILES = [
         (32, 256, 4, 4, 4), (64, 128, 4, 4, 4), (64, 256, 8, 3, 4), (32, 512, 4, 3, 4),
         (32, 128, 4, 4, 8), (64, 128, 4, 4, 8), (32, 256, 4, 3, 8),
     ]
+]  # fmt: skip
+
+
+# the same for 17-256 rows: row tiles of 32-256, shares of K from 1 to 8
+MID_SPLITK_TILES = [
+    (bm, bn, bk, warps, stages, split)
+    for bm, bn, bk, warps, stages in [
+        (64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3),
+        (64, 64, 64, 4, 4), (32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (256, 64, 64, 8, 3),
+    ]
+    for split in (1, 2, 4, 8)
 ]  # fmt: skip
 
 
@@ -251,8 +265,8 @@ def time_triton(xs, ws, rep_ms: int, linear=triton_linear, tiles=TILES) -> tuple
     a kernel's own setting), and its tile."""
     outs = [torch.empty(x.shape[0], ws[0].shape[0], dtype=x.dtype, device=x.device) for x in xs]
     expected = F.linear(xs[0], ws[0]).float()
-    (rows, k), split = xs[0].shape, lambda t: (*t, 1)[5]  # split-K tiles: 6 entries
-    tiles = [t for t in tiles if t is None or k % (t[2] * split(t)) == 0 and (split(t) == 1 or rows <= t[0])]
+    k, split = xs[0].shape[1], lambda t: (*t, 1)[5]  # split-K tiles: 6 entries
+    tiles = [t for t in tiles if t is None or k % (t[2] * split(t)) == 0]
     best = (float("inf"), None)
     for tile in checked_tiles(linear, xs[0], ws[0], outs[0], expected, tiles):
         calls = [partial(linear, x, w, o, tile) for x, w, o in zip(xs, ws, outs)]
@@ -280,7 +294,7 @@ def main() -> None:
     parser.add_argument("--libraries", default="cublas,cublaslt")
     parser.add_argument("--triton", action="store_true", help="also time a plain Triton GEMM")
     parser.add_argument("--fused-tiles", action="store_true", help="sweep gate_up_silu's tiles")
-    parser.add_argument("--splitk", action="store_true", help="also time a split-K GEMM (rows <= 16)")
+    parser.add_argument("--splitk", action="store_true", help="also time a split-K GEMM")
     parser.add_argument("--copy-gbps", type=float, default=4300.0, help="the GPU's copy rate, GB/s")
     parser.add_argument("--rep-ms", type=int, default=100)
     args = parser.parse_args()
@@ -290,7 +304,8 @@ def main() -> None:
     libraries = args.libraries.split(",")
     kernels = [("triton", triton_linear, TILES)] if args.triton else []
     if args.splitk:
-        kernels += [("splitk", triton_linear, SPLITK_TILES), ("gemv", gemv_linear, SPLITK_TILES)]
+        # the split-K tiles by rows: SPLITK_TILES up to 16, MID_SPLITK_TILES above
+        kernels += [("splitk", triton_linear, None), ("gemv", gemv_linear, SPLITK_TILES)]
         kernels += [("engine", lambda x, w, out, tile: small_batch_gemm(x, w), [None])]
     dims = projections(args.shape)
     ws = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(args.layers)]
@@ -312,6 +327,8 @@ def main() -> None:
             for kind, linear, tiles in kernels:
                 if kind in ("gemv", "engine") and rows > MAX_ROWS:
                     continue
+                if kind == "splitk":
+                    tiles = SPLITK_TILES if rows <= 16 else MID_SPLITK_TILES
                 us, tile = time_triton(xs, ws[name], args.rep_ms, linear=linear, tiles=tiles)
                 totals[kind] = totals.get(kind, 0.0) + us
                 cells.append(
