@@ -59,9 +59,11 @@ def bench_decode(
     cache_dtype: torch.dtype,
     layers: int,
     heads: tuple[int, int],
+    num_splits: int | None = None,
 ) -> tuple[float, int]:
     """Median microseconds of one layer's decode attention with every sequence at ``context``
-    tokens and ``heads`` (query, KV) heads, over ``layers`` layers of one graph."""
+    tokens and ``heads`` (query, KV) heads, over ``layers`` layers of one graph, and its splits
+    (``num_splits``, default the engine's own)."""
     blocks_per_seq = context // block_size
     num_blocks = batch * blocks_per_seq
     num_heads, num_kv_heads = heads
@@ -77,13 +79,13 @@ def bench_decode(
     tables = perm.view(batch, blocks_per_seq)
     ctx = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, num_heads, HEAD_DIM, dtype=DTYPE, device="cuda")
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, blocks_per_seq, block_size, num_sms(q.device))
     calls = [
-        partial(paged_decode_attention, q, k, v, tables, ctx, HEAD_DIM**-0.5, layout=layout)
+        partial(paged_decode_attention, q, k, v, tables, ctx, HEAD_DIM**-0.5, num_splits, layout=layout)
         for k, v in caches
     ]
-    us = graph_time_us(calls, rep_ms)
-    splits = default_num_splits(batch, num_kv_heads, blocks_per_seq, block_size, num_sms(q.device))
-    return us, splits
+    return graph_time_us(calls, rep_ms), num_splits
 
 
 def read_floor_us(num_bytes: int, rep_ms: int, layers: int) -> float:
@@ -99,7 +101,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28, help="layers (caches) per graph, at most")
     parser.add_argument("--floor", action="store_true", help="also time a sum over the same bytes")
     parser.add_argument("--batches", default=None, help="comma-separated (default 1,16,256)")
-    parser.add_argument("--heads", default="16/8", help="query/KV heads (Qwen3-8B: 32/8)")
+    parser.add_argument("--heads", default="16/8", help="query/KV heads (Qwen3-8B: 32/8, 30B-A3B: 32/4)")
+    parser.add_argument("--contexts", default=None, help="comma-separated (default 512,2048,8192,32768)")
+    parser.add_argument("--splits", default="0", help="comma-separated split counts; 0: the engine's own")
     args = parser.parse_args()
     num_heads, num_kv_heads = heads = tuple(map(int, args.heads.split("/")))
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
@@ -110,6 +114,9 @@ def main() -> None:
     if args.batches:
         batches = [int(b) for b in args.batches.split(",")]
     contexts = [2048, 32768] if args.quick else [512, 2048, 8192, 32768]
+    if args.contexts:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    split_counts = [int(n) or None for n in args.splits.split(",")]
     block_sizes = [128] if args.quick else [128, 16]  # the engine's default, and a small one
     dtype_bytes = torch.finfo(cache_dtype).bits // 8
 
@@ -121,12 +128,14 @@ def main() -> None:
         f"{'batch':>5} {'context':>7} {'block':>5} {'splits':>6} {'time us':>9} {'GB/s':>7} {'% copy':>6}"
         + floor_head
     )
-    for block_size, batch, context in itertools.product(block_sizes, batches, contexts):
+    for block_size, batch, context, num_splits in itertools.product(
+        block_sizes, batches, contexts, split_counts
+    ):
         kv_bytes = batch * context * num_kv_heads * HEAD_DIM * 2 * dtype_bytes
         if kv_bytes > MAX_CACHE_BYTES:
             continue
         layers = max(1, min(args.layers, int(MAX_CACHE_BYTES // kv_bytes)))
-        us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype, layers, heads)
+        us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype, layers, heads, num_splits)
         gbs = kv_bytes / us / 1e3
         floor = ""
         if args.floor:
