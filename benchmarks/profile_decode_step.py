@@ -7,13 +7,18 @@ With ``--prompt-tokens N`` every timed step is a mixed one: the decodes plus ``-
 new N-token prompts (requests of one output token, so the batch stays the same size). The
 8B bench's prompt steps are about ``--batch 512 --context 600 --prompt-tokens 560 --prompts 29``.
 
-Prints wall time per step split into engine parts (schedule, prepare + forward + sample,
-postprocess), the GPU-busy time and the number of kernels per step, and the top CUDA kernels;
-on CUDA graphs, then the decode graph replayed alone against the sum of its kernels (the GPU's
-idle time between kernels inside a graph).
+Prints wall time per step split into engine parts (schedule, the host's launch of the step:
+inputs, forward and sampling enqueued, the wait for its tokens, postprocess), the GPU-busy time
+and the number of kernels per step, and the top CUDA kernels; on CUDA graphs, then the decode
+graph replayed alone against the sum of its kernels (the GPU's idle time between kernels inside
+a graph). A mixed step's launch is eager: where it takes longer than the GPU's work, the
+engine's steps are bound by the host. ``--host-profile`` adds the launch's Python profile (the
+functions with the most time of their own, then the most time under them).
 """
 
 import argparse
+import cProfile
+import pstats
 import random
 import tempfile
 import time
@@ -36,6 +41,7 @@ def main() -> None:
     parser.add_argument("--quantization", choices=("fp8",), default=None, help="FP8 weights")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="new prompts' length, every step")
     parser.add_argument("--prompts", type=int, default=1, help="new prompts in every step")
+    parser.add_argument("--host-profile", action="store_true", help="profile the launches' Python")
     args = parser.parse_args()
     path = tempfile.mkdtemp()
     write_config(path, args.shape)
@@ -67,7 +73,7 @@ def main() -> None:
     # the last schedule() was a decode; run it, then time steps split by part
     advance(step, runner.run(step.batch))
     torch.cuda.synchronize()
-    parts = {"schedule + plan": 0.0, "run": 0.0, "postprocess": 0.0}
+    parts = {"schedule": 0.0, "launch (host)": 0.0, "wait": 0.0, "postprocess": 0.0}
     start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
     start_ev.record()
@@ -75,11 +81,13 @@ def main() -> None:
         a = time.perf_counter()
         step = schedule()
         b = time.perf_counter()
-        tokens = runner.run(step.batch)
+        pending = runner.launch(step.batch)
         c = time.perf_counter()
-        advance(step, tokens)
+        tokens = pending.result()
         d = time.perf_counter()
-        for k, v in zip(parts, (b - a, c - b, d - c)):
+        advance(step, tokens)
+        e = time.perf_counter()
+        for k, v in zip(parts, (b - a, c - b, d - c, e - d)):
             parts[k] += v
     end_ev.record()
     torch.cuda.synchronize()
@@ -87,7 +95,18 @@ def main() -> None:
     kind = f" + {args.prompts} prompts of {args.prompt_tokens} tokens" if args.prompt_tokens else ""
     print(f"batch {args.batch}{kind}, context ~{args.context}: {wall:.3f} ms/step wall")
     for k, v in parts.items():
-        print(f"  {k:12s} {v / args.steps * 1e3:.3f} ms")
+        print(f"  {k:13s} {v / args.steps * 1e3:.3f} ms")
+    if args.host_profile:
+        host = cProfile.Profile()
+        for _ in range(5):
+            step = schedule()
+            host.enable()
+            pending = runner.launch(step.batch)
+            host.disable()
+            advance(step, pending.result())
+        stats = pstats.Stats(host)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(40)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             step = schedule()
