@@ -172,6 +172,12 @@ def parse_args() -> argparse.Namespace:
         "--max-num-seqs", type=int, default=None, help="running requests at most (default: each engine's own)"
     )
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens a step computes at most, its prompt chunks included (default: each engine's own)",
+    )
+    parser.add_argument(
         "--kvcache-block-size",
         type=int,
         default=None,

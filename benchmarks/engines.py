@@ -49,7 +49,7 @@ def make_nanovllm(args, path, dummy, max_model_len: int):
         async_scheduling=args.async_scheduling,
         mixed_steps=args.mixed_steps,
         kv_cache_dtype=args.kv_cache_dtype,
-        **given_options(args, "max_num_seqs", "kvcache_block_size", "quantization"),
+        **given_options(args, "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "quantization"),
     )
     print(f"nanovllm start-up: {startup_line(time.perf_counter() - start, llm, 1)}", flush=True)
     return llm
@@ -95,7 +95,7 @@ def make_vllm(args, path, dummy, max_model_len: int):
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tp,
         kv_cache_dtype=args.kv_cache_dtype,
-        **given_options(args, "max_num_seqs", "quantization"),
+        **given_options(args, "max_num_seqs", "max_num_batched_tokens", "quantization"),
     )
     print(f"vllm start-up: {time.perf_counter() - start:.1f} s", flush=True)
     return llm

@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=None, help="the engine's (default: its own)")
     parser.add_argument("--kvcache-block-size", type=int, default=None, help="tokens per KV block")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens a step at most")
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--quantization", default=None, help='as LLM(quantization=...): "fp8"')
@@ -141,7 +142,8 @@ def main() -> None:
         async_scheduling=args.async_scheduling,
         mixed_steps=args.mixed_steps,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        **given_options(args, "max_num_seqs", "kvcache_block_size", "quantization", "kv_cache_dtype"),
+        **given_options(args, "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"),
+        **given_options(args, "quantization", "kv_cache_dtype"),
     )
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
