@@ -1,0 +1,116 @@
+"""A decode step's rows as two halves on two CUDA streams, against the whole batch on one (CUDA).
+
+    PYTHONPATH=. python3 benchmarks/bench_two_streams.py [--shape qwen3-0.6b] [--batch 256] [--context 1024]
+
+At the 0.6B shape a 256-row decode step's GEMMs are bound by launch latency (7-10 µs each,
+whatever the rows: ``bench_gemm.py``) and its attention by memory bandwidth. Run as two
+independent halves on two streams, one half's GEMMs may run while the other's attention streams
+K/V, at the cost of reading every weight twice. This probe asks whether that pays before the
+engine is built for it: it starts an engine with ``--batch`` sequences of ``--context`` tokens,
+plans a real decode step, and times CUDA graphs of the model's forward over its rows: the whole
+batch on one stream, the two halves one after the other, and the two halves forked onto two
+streams. The halves' hidden states are checked against the whole batch's first.
+"""
+
+import argparse
+import tempfile
+from dataclasses import replace
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.attention import AttentionMetadata
+from nanovllm.demo_models import SHAPES, write_config
+
+
+def rows_of(meta: AttentionMetadata, start: int, end: int) -> AttentionMetadata:
+    """Rows ``start:end`` of a decode batch's metadata, run as a batch of their own (no row
+    order: the whole batch's names rows outside the slice)."""
+    sliced = {name: getattr(meta, name)[start:end] for name, _ in meta._row_fields()}
+    return replace(meta, **(sliced | {"decode_order": None}))
+
+
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    fn()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    path = tempfile.mkdtemp()
+    write_config(path, args.shape)
+    llm = LLM(path, load_format="dummy", max_model_len=4096, async_scheduling=False)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=10_000)
+    for i in range(args.batch):
+        llm.add_request([(i * 7 + j) % 10000 for j in range(args.context)], params)
+    sched, runner = llm.scheduler, llm.executor.runner
+    while not (step := sched.schedule()).batch.is_decode:  # every prompt's K/V in the cache
+        llm.output_processor.process(step, runner.run(step.batch))
+    inputs = runner.inputs.build(step.batch)
+    n, half = len(step.batch), len(step.batch) // 2
+    ids = torch.zeros(n, dtype=torch.int64, device="cuda")  # the tokens do not change the time
+    pos, meta, model = inputs.positions, inputs.meta, runner.model
+    side = torch.cuda.Stream()
+    out = {}
+
+    def whole():
+        out["whole"] = model(ids, pos, meta)
+
+    def halves(two_streams: bool):
+        def run():
+            a = (ids[:half], pos[:half], rows_of(meta, 0, half))
+            b = (ids[half:], pos[half:], rows_of(meta, half, n))
+            if not two_streams:
+                out["a"], out["b"] = model(*a), model(*b)
+                return
+            side.wait_stream(torch.cuda.current_stream())
+            out["a"] = model(*a)
+            with torch.cuda.stream(side):
+                out["b"] = model(*b)
+            torch.cuda.current_stream().wait_stream(side)
+
+        return run
+
+    with torch.inference_mode():
+        graphs = {
+            "whole batch, one stream": graph_of(whole),
+            "two halves, one stream": graph_of(halves(False)),
+            "two halves, two streams": graph_of(halves(True)),
+        }
+        torch.cuda.synchronize()
+        err = (torch.cat((out["a"], out["b"])).float() - out["whole"].float()).abs().max().item()
+        scale = out["whole"].float().abs().max().item()
+        if err > 2e-2 * scale:
+            raise AssertionError(f"the halves' hidden states differ from the whole batch's by {err:.3g}")
+        print(f"{torch.cuda.get_device_name()}, {args.shape}, {n} rows, context ~{args.context}")
+        for name, graph in graphs.items():
+            print(f"  {name:24s} {replay_ms(graph, args.reps):.3f} ms", flush=True)
+    llm.exit()
+
+
+if __name__ == "__main__":
+    main()
