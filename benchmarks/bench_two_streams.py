@@ -14,7 +14,7 @@ streams. The halves' hidden states are checked against the whole batch's first.
 
 import argparse
 import tempfile
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 
@@ -24,9 +24,14 @@ from nanovllm.demo_models import SHAPES, write_config
 
 
 def rows_of(meta: AttentionMetadata, start: int, end: int) -> AttentionMetadata:
-    """Rows ``start:end`` of a decode batch's metadata, run as a batch of their own (no row
-    order: the whole batch's names rows outside the slice)."""
-    sliced = {name: getattr(meta, name)[start:end] for name, _ in meta._row_fields()}
+    """Rows ``start:end`` of a decode batch's metadata (its per-row tensors sliced), run as a batch
+    of their own (no row order: the whole batch's names rows outside the slice)."""
+    rows = meta.context_lens.shape[0]
+    sliced = {
+        f.name: value[start:end]
+        for f in fields(meta)
+        if isinstance(value := getattr(meta, f.name), torch.Tensor) and value.shape[0] == rows
+    }
     return replace(meta, **(sliced | {"decode_order": None}))
 
 
