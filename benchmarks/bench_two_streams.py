@@ -18,6 +18,7 @@ from dataclasses import fields, replace
 
 import torch
 
+from benchmarks.profile_decode_step import replay_ms
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention import AttentionMetadata
 from nanovllm.demo_models import SHAPES, write_config
@@ -42,17 +43,6 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         fn()
     return graph
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:

@@ -130,12 +130,8 @@ def device_time(prof, reps: int) -> tuple[float, float, float]:
     return busy_ms, sum(e.count for e in events) / reps - copies, copies
 
 
-def replay_alone(graphs, batch: int, reps: int = 50) -> None:
-    """The decode graph of ``batch`` rows replayed back to back (its inputs as the last step left
-    them): its time against the sum of its kernels is how long the GPU waits between kernels
-    inside a graph (launch gaps), apart from the host's share of a step."""
-    rows = next(b for b in graphs.batch_sizes if b >= batch)
-    graph = graphs.graphs[rows]
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Milliseconds per replay of ``graph``, ``reps`` back to back after one more."""
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -143,7 +139,16 @@ def replay_alone(graphs, batch: int, reps: int = 50) -> None:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    wall_ms = start.elapsed_time(end) / reps
+    return start.elapsed_time(end) / reps
+
+
+def replay_alone(graphs, batch: int, reps: int = 50) -> None:
+    """The decode graph of ``batch`` rows replayed back to back (its inputs as the last step left
+    them): its time against the sum of its kernels is how long the GPU waits between kernels
+    inside a graph (launch gaps), apart from the host's share of a step."""
+    rows = next(b for b in graphs.batch_sizes if b >= batch)
+    graph = graphs.graphs[rows]
+    wall_ms = replay_ms(graph, reps)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             graph.replay()
