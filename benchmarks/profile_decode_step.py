@@ -7,13 +7,13 @@ With ``--prompt-tokens N`` every timed step is a mixed one: the decodes plus ``-
 new N-token prompts (requests of one output token, so the batch stays the same size). The
 8B bench's prompt steps are about ``--batch 512 --context 600 --prompt-tokens 560 --prompts 29``.
 
-Prints wall time per step split into engine parts (schedule, the host's launch of the step:
-inputs, forward and sampling enqueued, the wait for its tokens, postprocess), the GPU-busy time
-and the number of kernels per step, and the top CUDA kernels; on CUDA graphs, then the decode
-graph replayed alone against the sum of its kernels (the GPU's idle time between kernels inside
-a graph). A mixed step's launch is eager: where it takes longer than the GPU's work, the
-engine's steps are bound by the host. ``--host-profile`` adds the launch's Python profile (the
-functions with the most time of their own, then the most time under them).
+Prints wall time per step split into parts (queueing the mixed steps' new prompts, schedule, the
+host's launch of the step: inputs, forward and sampling enqueued, the wait for its tokens,
+postprocess), the GPU-busy time and the number of kernels per step, and the top CUDA kernels; on
+CUDA graphs, then the decode graph replayed alone against the sum of its kernels (the GPU's idle
+time between kernels inside a graph). A mixed step's launch is eager: where it takes longer than
+the GPU's work, the engine's steps are bound by the host. ``--host-profile`` adds the launch's
+Python profile (the functions with the most time of their own, then the most time under them).
 """
 
 import argparse
@@ -59,10 +59,13 @@ def main() -> None:
     advance = llm.output_processor.process  # as the engine's step loop: the step, then its output
     rng = random.Random(0)
 
-    def schedule() -> ScheduledStep:
+    def add_prompts() -> None:
         for _ in range(args.prompts if args.prompt_tokens else 0):  # random tokens: no cache hits
             prompt = [rng.randrange(10000) for _ in range(args.prompt_tokens)]
             llm.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1))
+
+    def schedule() -> ScheduledStep:
+        add_prompts()
         return sched.schedule()
 
     while True:  # prefill everything
@@ -73,22 +76,24 @@ def main() -> None:
     # the last schedule() was a decode; run it, then time steps split by part
     advance(step, runner.run(step.batch))
     torch.cuda.synchronize()
-    parts = {"schedule": 0.0, "launch (host)": 0.0, "wait": 0.0, "postprocess": 0.0}
+    parts = {"add prompts": 0.0, "schedule": 0.0, "launch (host)": 0.0, "wait": 0.0, "postprocess": 0.0}
     start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
     start_ev.record()
     for _ in range(args.steps):
-        a = time.perf_counter()
-        step = schedule()
-        b = time.perf_counter()
+        times = [time.perf_counter()]
+        add_prompts()
+        times.append(time.perf_counter())
+        step = sched.schedule()
+        times.append(time.perf_counter())
         pending = runner.launch(step.batch)
-        c = time.perf_counter()
+        times.append(time.perf_counter())
         tokens = pending.result()
-        d = time.perf_counter()
+        times.append(time.perf_counter())
         advance(step, tokens)
-        e = time.perf_counter()
-        for k, v in zip(parts, (b - a, c - b, d - c, e - d)):
-            parts[k] += v
+        times.append(time.perf_counter())
+        for k, before, after in zip(parts, times, times[1:]):
+            parts[k] += after - before
     end_ev.record()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / args.steps * 1e3
