@@ -4,8 +4,6 @@ import torch
 
 from tests.interpreter import DEVICE
 
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-
 
 def make_moe(tokens, experts, top_k, hidden, inter, dtype, seed=0, used=None):
     """Random inputs with O(1) outputs; ``used`` restricts the routing to those experts."""

@@ -6,8 +6,8 @@ import torch
 
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
 from nanovllm.kernels.moe_align import moe_align, moe_align_ref
-from tests.interpreter import DEVICE
-from tests.kernels.moe_cases import DTYPES, make_moe
+from tests.interpreter import DEVICE, DTYPES
+from tests.kernels.moe_cases import make_moe
 
 pytestmark = pytest.mark.gpu
 

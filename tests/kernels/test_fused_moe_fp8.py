@@ -14,8 +14,8 @@ from nanovllm.kernels.fp8 import (
     quantize_weight_per_channel_ref,
 )
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
-from tests.interpreter import DEVICE
-from tests.kernels.moe_cases import DTYPES, make_moe
+from tests.interpreter import DEVICE, DTYPES
+from tests.kernels.moe_cases import make_moe
 
 pytestmark = pytest.mark.gpu
 

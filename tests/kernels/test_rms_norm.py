@@ -8,12 +8,10 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from nanovllm.kernels.fp8 import FP8
 from nanovllm.kernels.rms_norm import add_rms_norm_ref, rms_norm, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref
-from tests.interpreter import DEVICE
+from tests.interpreter import DEVICE, DTYPES
 from tests.kernels.fp8_close import assert_fp8_close
 
 pytestmark = pytest.mark.gpu
-
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
 def inputs(rows: int, hidden: int, dtype: torch.dtype, seed: int = 0):

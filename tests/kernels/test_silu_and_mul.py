@@ -12,12 +12,11 @@ from nanovllm.kernels.silu_and_mul import (
     silu_and_mul_fp8_ref,
     silu_and_mul_ref,
 )
-from tests.interpreter import DEVICE
+from tests.interpreter import DEVICE, DTYPES
 from tests.kernels.fp8_close import assert_fp8_close
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # exp's last bits, then a rounding
 
 

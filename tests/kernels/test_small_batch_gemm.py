@@ -10,11 +10,9 @@ from nanovllm.kernels.small_batch_gemm import (
     small_batch_gemm_pays,
     small_batch_gemm_ref,
 )
-from tests.interpreter import DEVICE
+from tests.interpreter import DEVICE, DTYPES
 
 pytestmark = pytest.mark.gpu
-
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
