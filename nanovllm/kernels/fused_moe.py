@@ -16,12 +16,15 @@ to e4m3 first, one scale per row over the whole row (a token's hidden state for 
 pair's ``silu(gate) * up``, already rounded to the activation dtype, for down); the product of
 the e4m3 values is scaled by row scale x weight scale and rounded to the activation dtype where
 the 16/32-bit product is. The reference computes each product in float64, where products of e4m3
-values and their sums are exact (a matrix library's order cannot change them); the kernels sum
-in fp32 on fp8 tensor cores. An FP8 checkpoint's experts (``weight_block_size: [128, 128]``) keep
-their block scales per row and 128 input features (``w13_scale [experts, 2 * inter, ceil(hidden /
-128)]``, ``w2_scale [experts, hidden, ceil(inter / 128)]``), and each GEMM's input is rounded per
-row and 128 features; the kernels scale each K step's sums by its group's scales, the reference
-dequantizes both sides in float64.
+values and their sums are exact (a matrix library's order cannot change them). The kernels sum
+on fp8 tensor cores: with per-row scales the sums stay in the tensor cores' accumulator across K
+(fast accumulation, as the dense layers' ``torch._scaled_mm`` runs; Hopper adds into it with ~14
+bits of precision), or with ``FAST_ACCUM=False`` each K step is summed apart and added in fp32
+(Triton does not fold ``acc + dot`` for fp8 on Hopper). An FP8 checkpoint's experts
+(``weight_block_size: [128, 128]``) keep their block scales per row and 128 input features
+(``w13_scale [experts, 2 * inter, ceil(hidden / 128)]``, ``w2_scale [experts, hidden, ceil(inter
+/ 128)]``), and each GEMM's input is rounded per row and 128 features; the kernels scale each K
+step's sums by its group's scales, the reference dequantizes both sides in float64.
 """
 
 import torch
@@ -144,13 +147,14 @@ def _gate_up_kernel(
     num_pairs, top_k, hidden, inter,
     stride_xm, stride_we, stride_wn, stride_wk, stride_om, stride_xsm, stride_wse, stride_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, GROUP_K: tl.constexpr,
+    FP8: tl.constexpr, GROUP_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
 ):  # fmt: skip
     """out[pair, n] = silu(x[token] @ gate[e, n]) * (x[token] @ up[e, n]) for one block of pairs.
     ``FP8``: ``x`` and ``w`` hold e4m3 values, scaled per token (``x_scale``) and per expert and
-    row (``w_scale``) once the sums are done; with ``GROUP_K`` (block scales) per token and
-    ``GROUP_K`` features and per expert, row and ``GROUP_K`` features, each K step's sums scaled
-    by its group's (``BLOCK_K`` divides ``GROUP_K``)."""
+    row (``w_scale``) once the sums are done (kept in the MMA's accumulator with ``FAST_ACCUM``);
+    with ``GROUP_K`` (block scales) per token and ``GROUP_K`` features and per expert, row and
+    ``GROUP_K`` features, each K step's sums scaled by its group's (``BLOCK_K`` divides
+    ``GROUP_K``)."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # the grid is sized for the worst case
         return
@@ -179,7 +183,7 @@ def _gate_up_kernel(
             up += (
                 tl.dot(a, u) * x_s * tl.load(s_ptrs + inter * stride_wsn, mask=n < inter, other=0.0)[None, :]
             )
-        elif FP8:  # a fresh dot per step: Hopper's fp8 MMA accumulates in reduced precision
+        elif FP8 and not FAST_ACCUM:  # each step summed apart, then added in fp32
             gate += tl.dot(a, g)
             up += tl.dot(a, u)
         else:
@@ -209,7 +213,7 @@ def _down_kernel(
     num_pairs, hidden, inter,
     stride_hm, stride_we, stride_wn, stride_wk, stride_om, stride_hsm, stride_wse, stride_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, GROUP_K: tl.constexpr,
+    FP8: tl.constexpr, GROUP_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
 ):  # fmt: skip
     """out[pair, n] = weight[pair] * (h[pair] @ down[e, n]) for one block of pairs. ``FP8``: ``h``
     and ``w`` hold e4m3 values, scaled per pair (``h_scale``) and per expert and row (``w_scale``)
@@ -234,7 +238,7 @@ def _down_kernel(
             h_s = tl.load(h_scale_ptr + rows64 * stride_hsm + group, mask=valid, other=0.0)
             w_s = tl.load(w_scale_ptr + e * stride_wse + n * stride_wsn + group, mask=n < hidden, other=0.0)
             acc += tl.dot(a, w) * h_s[:, None] * w_s[None, :]
-        elif FP8:  # a fresh dot per step, as in the gate / up kernel
+        elif FP8 and not FAST_ACCUM:  # each step summed apart, as in the gate / up kernel
             acc += tl.dot(a, w)
         else:
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
@@ -249,6 +253,18 @@ def _down_kernel(
     out = (acc.to(dt).to(tl.float32) * weight[:, None]).to(dt)
     out_ptrs = out_ptr + rows64[:, None] * stride_om + n[None, :]
     tl.store(out_ptrs, out, mask=valid[:, None] & (n[None, :] < hidden))
+
+
+@triton.jit
+def _sum_over_k_kernel(pairs_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[token] = the token's ``TOP_K`` rows of ``pairs`` summed in fp32 in k order, rounded once."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(pairs_ptr + (token * TOP_K + k) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
@@ -281,9 +297,11 @@ def fused_moe(
     """Triton version of :func:`fused_moe_ref` (same arguments and semantics), without host syncs;
     ``topk_ids`` must lie in ``[0, experts)`` (unchecked: checking would sync with the host).
     ``config`` overrides the tiles: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` (powers of two >= 16;
-    ``BLOCK_K`` >= 32 for e4m3 weights), ``num_warps``, ``num_stages``. With e4m3 weights each
-    GEMM's input is quantized by :func:`~nanovllm.kernels.fp8.quantize_per_token_group` first, and
-    on CUDA it needs float8 tensor cores (compute capability 8.9+)."""
+    ``BLOCK_K`` >= 32 for e4m3 weights), ``num_warps``, ``num_stages``, and ``FAST_ACCUM`` (e4m3
+    experts with per-row scales: sums kept in the tensor cores' accumulator; default on). With
+    e4m3 weights each GEMM's input is quantized by
+    :func:`~nanovllm.kernels.fp8.quantize_per_token_group` first, and on CUDA it needs float8
+    tensor cores (compute capability 8.9+)."""
     fp8, grouped = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     if x.stride(1) != 1:
         raise ValueError("x needs a unit stride in the last dimension")
@@ -307,6 +325,7 @@ def fused_moe(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         FP8=fp8,
         GROUP_K=GROUP if grouped else 0,
+        FAST_ACCUM=fp8 and not grouped and bool(cfg.get("FAST_ACCUM", True)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **tiles,
@@ -339,4 +358,7 @@ def fused_moe(
     # fixed-order fp32 sum over k (deterministic, unlike atomics), rounded once like the reference
     if top_k == 1:
         return out
-    return out.view(tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+    summed = torch.empty_like(x, memory_format=torch.contiguous_format)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_over_k_kernel[(tokens, triton.cdiv(hidden, block))](out, summed, hidden, TOP_K=top_k, BLOCK=block)
+    return summed

@@ -182,7 +182,8 @@ def test_fp8_block_kernel_matches_reference(dtype, tokens, experts, top_k, monke
 def test_fp8_kernel_with_idle_experts_and_small_tiles(dtype, tokens, used, monkeypatch):
     top_k = min(2, len(used))
     moe = make_fp8_moe(tokens, 8, top_k, 112, 72, dtype, seed=len(used), used=used)
-    check_fp8(monkeypatch, *moe, FP8_SMALL)  # several N tiles and K steps
+    check_fp8(monkeypatch, *moe, FP8_SMALL)  # several N tiles and K steps, in the accumulator
+    check_fp8(monkeypatch, *moe, FP8_SMALL | dict(FAST_ACCUM=False))  # each K step summed apart
 
 
 def test_fp8_kernel_on_a_strided_x_and_zero_rows(monkeypatch):
@@ -272,6 +273,8 @@ def test_fp8_layer_loads_both_forms_alike_on_every_rank():
 def test_compiled_fp8_kernel_at_qwen3_30b_a3b_shapes(dtype, tokens, blocks, monkeypatch):
     moe = make_fp8_moe(tokens, 128, 8, 2048, 768, dtype, seed=tokens, device="cuda", blocks=blocks)
     check_fp8(monkeypatch, *moe)
+    if not blocks:  # each K step summed apart, the sums' other form
+        check_fp8(monkeypatch, *moe, dict(FAST_ACCUM=False))
 
 
 def test_fp8_block_layer_loads_checkpoint_tensors_and_updates_alike_on_every_rank():
