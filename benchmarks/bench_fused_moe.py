@@ -1,22 +1,31 @@
-"""TFLOP/s of the fused MoE kernels against the per-expert torch loop (CUDA only).
+"""TFLOP/s of the fused MoE kernels at Qwen3-30B-A3B's expert shape (CUDA only); with ``--sweep``
+the tiles that fit each token count best.
 
-Run from the project root: ``PYTHONPATH=. python3 benchmarks/bench_fused_moe.py``.
-Shape of Qwen3-30B-A3B's MoE layers: hidden 2048, moe_intermediate 768, 128 experts, top-8, bf16.
-FLOPs count the routed work, 6 * hidden * inter per (token, expert) pair; at few tokens the layer
-is bound by the expert weights it reads, so their bandwidth (GB/s of distinct experts' weights) is
-shown too. The fused kernels are timed as a CUDA-graph replay (as decode steps run them: GPU time,
-no launch overhead); the torch loop syncs with the host, so it runs eagerly.
+Run from the project root: ``PYTHONPATH=. python3 benchmarks/bench_fused_moe.py [--experts
+bf16|fp8-row|fp8-block] [--sweep] [--loop]``. Shape: hidden 2048, moe_intermediate 768, 128
+experts, top-8, bf16 activations; the experts in bf16, in e4m3 with one scale per row
+(``quantization="fp8"``) or by 128 x 128 blocks (an FP8 checkpoint's). FLOPs count the routed
+work, 6 * hidden * inter per (token, expert) pair; at few tokens the layer is bound by the expert
+weights it reads, so their bandwidth (GB/s of distinct experts' weights) is shown too. The fused
+kernels run as a CUDA-graph replay (as decode steps run them: GPU time, no launch overhead).
+``--loop`` adds the per-expert torch reference, eagerly (it syncs with the host; float64 products
+for e4m3 experts). ``--sweep`` times every candidate tile at each token count, and for e4m3 experts
+with per-row scales the default tiles with each K step summed apart (``FAST_ACCUM=False``); a tile
+whose output differs from the default tiles' beyond the GEMMs' rounding is reported and skipped.
 """
 
 import argparse
+import itertools
 
 import torch
 from triton.testing import do_bench
 
-from nanovllm.kernels.fused_moe import fused_moe, fused_moe_ref
+from nanovllm.kernels.fused_moe import _config, fused_moe, fused_moe_ref
+from nanovllm.layers.fp8 import block_scales_per_row, quantize_weight, quantize_weight_blocks
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 DTYPE = torch.bfloat16
+DEVICE = "cuda"
 
 
 def graph_replay(fn) -> callable:
@@ -32,38 +41,113 @@ def graph_replay(fn) -> callable:
     return graph.replay
 
 
-def bench(tokens: int, rep_ms: int, weights: tuple[torch.Tensor, torch.Tensor]) -> None:
-    w13, w2 = weights
-    x = torch.randn(tokens, HIDDEN, dtype=DTYPE, device="cuda")
-    logits = torch.randn(tokens, EXPERTS, device="cuda")
+def make_experts(kind: str) -> dict:
+    """The experts' ``fused_moe`` arguments: ``w13``, ``w2`` and, for e4m3, their scales."""
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, dtype=DTYPE, device=DEVICE) / HIDDEN**0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, dtype=DTYPE, device=DEVICE) / INTER**0.5
+    if kind == "bf16":
+        return dict(w13=w13, w2=w2)
+    if kind == "fp8-row":
+        (q13, s13), (q2, s2) = [quantize_weight(w.reshape(-1, w.shape[-1])) for w in (w13, w2)]
+        return dict(w13=q13.view(w13.shape), w2=q2.view(w2.shape), w13_scale=s13.view(EXPERTS, -1),
+                    w2_scale=s2.view(EXPERTS, -1))  # fmt: skip
+
+    def blocks(w: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each expert's ``parts`` (gate and up: 2) by 128 x 128 blocks, scales kept per row."""
+        weights, scales = [], []
+        for expert in w:
+            pairs = [quantize_weight_blocks(part) for part in expert.chunk(parts)]
+            weights.append(torch.cat([q for q, _ in pairs]))
+            scales.append(torch.cat([block_scales_per_row(s, q.shape[0]) for q, s in pairs]))
+        return torch.stack(weights), torch.stack(scales)
+
+    (q13, s13), (q2, s2) = blocks(w13, 2), blocks(w2, 1)
+    return dict(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)
+
+
+def routing(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn(tokens, HIDDEN, dtype=DTYPE, device=DEVICE)
+    logits = torch.randn(tokens, EXPERTS, device=DEVICE)
     topk_weights, topk_ids = torch.softmax(logits, -1).topk(TOP_K, dim=-1)
-    topk_weights /= topk_weights.sum(-1, keepdim=True)
-    got = fused_moe(x, w13, w2, topk_weights, topk_ids)
-    want = fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
-    err = (got.float() - want.float()).abs().max().item()
+    return x, (topk_weights / topk_weights.sum(-1, keepdim=True)).to(DTYPE), topk_ids
+
+
+def rates(tokens: int, ids: torch.Tensor, experts: dict, ms: float) -> str:
     flops = 6 * HIDDEN * INTER * tokens * TOP_K
-    weight_bytes = len(topk_ids.unique()) * 3 * HIDDEN * INTER * w13.element_size()
-    row = [f"{tokens:>6}"]
-    fused = graph_replay(lambda: fused_moe(x, w13, w2, topk_weights, topk_ids))
-    loop = lambda: fused_moe_ref(x, w13, w2, topk_weights, topk_ids)  # noqa: E731
-    for fn in (fused, loop):
-        ms = do_bench(fn, rep=rep_ms, return_mode="median")
-        rate = f"{flops / ms / 1e9:>7.2f} TFLOP/s {weight_bytes / ms / 1e6:>7.0f} GB/s"
-        row.append(f"{ms * 1e3:>9.1f} us {rate}")
-    print(" | ".join(row) + f" | max |diff| {err:.2e}")
+    weight_bytes = len(ids.unique()) * 3 * HIDDEN * INTER * experts["w13"].element_size()
+    return f"{ms * 1e3:>9.1f} us {flops / ms / 1e9:>7.2f} TFLOP/s {weight_bytes / ms / 1e6:>7.0f} GB/s"
+
+
+def bench(tokens: int, rep_ms: int, experts: dict, loop: bool) -> None:
+    x, weights, ids = routing(tokens)
+    fused = graph_replay(lambda: fused_moe(x, topk_weights=weights, topk_ids=ids, **experts))
+    row = [f"{tokens:>6}", rates(tokens, ids, experts, do_bench(fused, rep=rep_ms, return_mode="median"))]
+    if loop:
+        got = fused_moe(x, topk_weights=weights, topk_ids=ids, **experts)
+        ref = lambda: fused_moe_ref(x, topk_weights=weights, topk_ids=ids, **experts)  # noqa: E731
+        err = (got.float() - ref().float()).abs().max().item()
+        row += [
+            rates(tokens, ids, experts, do_bench(ref, rep=rep_ms, return_mode="median")),
+            f"max |diff| {err:.2e}",
+        ]
+    print(" | ".join(row), flush=True)
+
+
+def candidates(kind: str, per_expert: float) -> list[dict]:
+    """The sweep's tiles: ``BLOCK_M`` around the pairs an expert gets, wider K steps for e4m3."""
+    block_ms = [16, 32] if per_expert <= 48 else [64, 128]
+    block_ks = [128, 256] if kind == "fp8-row" else [64, 128]
+    tiles = itertools.product(block_ms, [64, 128], block_ks, [4, 8], [3, 4])
+    return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s) for m, n, k, w, s in tiles]
+
+
+def sweep(tokens: int, rep_ms: int, kind: str, experts: dict) -> None:
+    x, weights, ids = routing(tokens)
+    run = lambda cfg: fused_moe(x, topk_weights=weights, topk_ids=ids, config=cfg, **experts)  # noqa: E731
+    default = _config(tokens * TOP_K, EXPERTS, torch.bfloat16)
+    want = run(None).float()
+    tol = 3e-2 * want.abs().max().item()  # bf16 roundings of gate, up, silu, down
+    configs = [dict(default)] + ([dict(default, FAST_ACCUM=False)] if kind == "fp8-row" else [])
+    configs += [cfg for cfg in candidates(kind, tokens * TOP_K / EXPERTS) if cfg != default]
+    timed = []
+    for cfg in configs:
+        try:
+            err = (run(cfg).float() - want).abs().max().item()
+        except Exception as exc:  # a tile past shared memory, or not compilable
+            print(f"{tokens:>6} | {cfg} | skipped: {type(exc).__name__}", flush=True)
+            continue
+        if err > tol:
+            print(f"{tokens:>6} | {cfg} | skipped: max |diff| {err:.3g} from the default tiles", flush=True)
+            continue
+        timed.append((do_bench(graph_replay(lambda c=cfg: run(c)), rep=rep_ms, return_mode="median"), cfg))
+    base = timed[0][0]
+    defaults = [t for t in timed if t[1] in configs[:2]]
+    best = sorted(timed, key=lambda t: t[0])[:6]
+    for ms, cfg in best + [t for t in defaults if t not in best]:
+        label = {0: "(default)", 1: "(default, K steps summed apart)"}.get(configs.index(cfg), "")
+        print(
+            f"{tokens:>6} | {rates(tokens, ids, experts, ms)} | {base / ms:5.2f}x | {cfg} {label}", flush=True
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 512, 4096])
+    parser.add_argument("--experts", choices=["bf16", "fp8-row", "fp8-block"], default="bf16")
+    parser.add_argument("--sweep", action="store_true", help="time every candidate tile per token count")
+    parser.add_argument("--loop", action="store_true", help="also time the per-expert torch reference")
     parser.add_argument("--rep-ms", type=int, default=200)
     args = parser.parse_args()
     torch.manual_seed(0)
-    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, dtype=DTYPE, device="cuda") / HIDDEN**0.5
-    w2 = torch.randn(EXPERTS, HIDDEN, INTER, dtype=DTYPE, device="cuda") / INTER**0.5
-    print(f"{'tokens':>6} | {'fused_moe (Triton, graph)':^44} | {'per-expert torch loop':^44}")
+    experts = make_experts(args.experts)
+    print(f"{args.experts} experts, {EXPERTS} x ({HIDDEN} -> {INTER}), top-{TOP_K}", flush=True)
     for tokens in args.tokens:
-        bench(tokens, args.rep_ms, (w13, w2))
+        if args.sweep:
+            sweep(tokens, args.rep_ms, args.experts, experts)
+        else:
+            bench(tokens, args.rep_ms, experts, args.loop)
 
 
 if __name__ == "__main__":
