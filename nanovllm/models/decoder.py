@@ -9,6 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata, QKTransform
+from nanovllm.kernels.moe_router import route, route_ref
 from nanovllm.layers.activation import GateUpSwiGLU
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -77,7 +78,8 @@ class DecoderMLP(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Hugging Face's ``Qwen3MoeSparseMoeBlock`` and ``MixtralSparseMoeBlock``: a router's
     softmax (fp32) picks each token's top-k experts, their weights renormalised when
-    ``norm_topk_prob`` (always for Mixtral)."""
+    ``norm_topk_prob`` (always for Mixtral). On CUDA one Triton kernel routes, on the CPU its
+    torch reference (:mod:`nanovllm.kernels.moe_router`; ties go to the lower expert id)."""
 
     def __init__(self, config: PretrainedConfig, tp: TPGroup, quant: str | None = None):
         super().__init__()
@@ -88,10 +90,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        weights, ids = logits.softmax(dim=-1, dtype=torch.float).topk(self.top_k, dim=-1)
-        if self.renormalise:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, weights.to(logits.dtype), ids)
+        weights, ids = (route if logits.is_cuda else route_ref)(logits, self.top_k, self.renormalise)
+        return self.experts(x, weights, ids)
 
 
 def is_moe_layer(config: PretrainedConfig, index: int) -> bool:
