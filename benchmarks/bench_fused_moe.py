@@ -96,7 +96,7 @@ def bench(tokens: int, rep_ms: int, experts: dict, loop: bool) -> None:
 def candidates(kind: str, per_expert: float) -> list[dict]:
     """The sweep's tiles: ``BLOCK_M`` around the pairs an expert gets, wider K steps for e4m3."""
     block_ms = [16, 32] if per_expert <= 48 else [64, 128]
-    block_ks = [128, 256] if kind == "fp8-row" else [64, 128]
+    block_ks = [128, 256] if kind == "fp8-row" else [64, 128]  # block scales: a step in one group
     tiles = itertools.product(block_ms, [64, 128], block_ks, [4, 8], [3, 4])
     return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s) for m, n, k, w, s in tiles]
 
@@ -104,7 +104,9 @@ def candidates(kind: str, per_expert: float) -> list[dict]:
 def sweep(tokens: int, rep_ms: int, kind: str, experts: dict) -> None:
     x, weights, ids = routing(tokens)
     run = lambda cfg: fused_moe(x, topk_weights=weights, topk_ids=ids, config=cfg, **experts)  # noqa: E731
-    default = _config(tokens * TOP_K, EXPERTS, torch.bfloat16)
+    default = _config(tokens * TOP_K, EXPERTS, experts["w13"].dtype)
+    if kind == "fp8-block":
+        default["BLOCK_K"] = min(default["BLOCK_K"], 128)
     want = run(None).float()
     tol = 3e-2 * want.abs().max().item()  # bf16 roundings of gate, up, silu, down
     configs = [dict(default)] + ([dict(default, FAST_ACCUM=False)] if kind == "fp8-row" else [])
