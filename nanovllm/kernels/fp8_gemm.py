@@ -3,8 +3,7 @@ references (float64 where e4m3 products and their sums are exact), and a Triton 
 tensor cores with fp32 sums. With block scales it walks K one scale group at a time: an fp8
 ``tl.dot`` per group, times the group's activation and weight scales, summed in fp32; with
 per-channel scales (``torch._scaled_mm``'s row-wise product, :func:`fp8_channel_gemm_ref`) the
-sums stay in the tensor cores' accumulator (fast accumulation, as the layers' cuBLAS product) and
-the scales apply once to the sum. Decode-sized ``M`` may cut K into shares (split-K).
+scales apply once to the sum. Decode-sized ``M`` may cut K into shares (split-K).
 """
 
 import torch
@@ -88,13 +87,13 @@ def _fp8_gemm_kernel(
     stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_wsk, stride_om,
     SCALE_GROUP: tl.constexpr, W_ROWS_PER_SCALE: tl.constexpr, GROUP_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile over features ``K_SHARE * program_id(1) ...`` (all
     of K unless ``SPLIT_K``). ``GROUP_SCALES``: the scales change along K (a scale stride of 0
     repeats one), applied to each group's partial product; otherwise one scale per row and per
-    column, applied once to the sum, which ``FAST_ACCUM`` keeps in the MMA's accumulator."""
+    column, applied once to the sum."""
     wait_for_prior_grid(PDL)
     first_m, first_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_start = tl.program_id(1) * K_SHARE
@@ -117,9 +116,7 @@ def _fp8_gemm_kernel(
             a_s = tl.load(as_ptrs + g * stride_ask, mask=m_ok, other=0.0)
             w_s = tl.load(ws_ptrs + g * stride_wsk, mask=n_ok, other=0.0)
             acc += tl.dot(a, w.T) * a_s[:, None] * w_s[None, :]
-        elif FAST_ACCUM:  # Hopper adds into the accumulator with ~14 bits, as cuBLAS's fast mode
-            acc = tl.dot(a, w.T, acc)
-        else:  # each step summed apart, added in fp32 (Triton does not fold acc + dot for fp8)
+        else:  # a fresh dot per step: Hopper's fp8 MMA accumulates in reduced precision (~14 bits)
             acc += tl.dot(a, w.T)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -216,9 +213,7 @@ def fp8_gemm(
     (powers of two >= 16), ``BLOCK_K`` (a power of two >= 32, dividing 128 where the scales change
     along K), ``GROUP_M``, ``num_warps``, ``num_stages``, ``SPLIT_K`` (K cut into that many shares,
     each a program's, their fp32 sums added by a second kernel: more programs to stream a weight at
-    decode-sized ``m``), ``FAST_ACCUM`` (per-channel scales: the sums kept in the tensor cores'
-    accumulator across K, as ``torch._scaled_mm(use_fast_accum=True)`` keeps them; default on;
-    off, each K step is summed apart and added in fp32).
+    decode-sized ``m``).
     On CUDA it needs float8 tensor cores (sm_89+)."""
     if a_fp8.dtype != FP8 or w_fp8.dtype != FP8:
         raise ValueError(f"a_fp8 and w_fp8 must be float8_e4m3fn: {a_fp8.dtype}, {w_fp8.dtype}")
@@ -256,7 +251,6 @@ def fp8_gemm(
     if not k:
         return out.zero_()
     split = cfg.setdefault("SPLIT_K", 1)
-    cfg["FAST_ACCUM"] = bool(cfg.get("FAST_ACCUM", True)) and not group_scales
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
     k_share = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
