@@ -9,6 +9,7 @@ from tests.checkpoints import make_random_checkpoint
 from tests.end_to_end.fp8_oracle import (
     GREEDY,
     OPTIONS,
+    assert_greedy_up_to_near_ties,
     hf_fp8_model,
     hf_fp8_moe_model,
     hf_generate,
@@ -109,3 +110,29 @@ def test_fp8_moe_weights_take_half_the_bytes_of_bf16(moe_dir):
     scale_bytes = 2 * 4 * experts * (2 * inter + hidden)  # two MoE layers
     assert fp8 == bf16 // 2 + scale_bytes
     assert fp8 < 0.55 * bf16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_cuda_moe_greedy_choices_are_hf_argmax_up_to_near_ties(moe_dir, prompts, dtype, eager):
+    """The router kernel and the fused e4m3 experts on CUDA, where fp8 tensor cores keep ~14 bits
+    in their sums: each greedy token HF's argmax with the same rounding and exact products,
+    teacher-forced, up to near-ties (as the dense model's CUDA test, ``test_fp8_weights.py``)."""
+    from transformers import AutoModelForCausalLM
+
+    exact_bf16 = None
+    if dtype == "bfloat16":
+        exact_bf16 = hf_fp8_moe_model(AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.bfloat16))
+    plain = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    with LLM(
+        moe_dir, quantization="fp8", **dict(OPTIONS, device="cuda", dtype=dtype, enforce_eager=eager)
+    ) as llm:
+        router = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        assert llm.apply_model(expert_dtypes) == [
+            [(n, router if n == "gate.weight" else d) for n, d in MOE_DTYPES]
+        ]
+        completions = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    counts = assert_greedy_up_to_near_ties(hf_fp8_moe_model(moe_dir), plain, exact_bf16, prompts, completions)
+    print(f"{dtype}: of {counts[2]} greedy tokens {counts[0]} are the exact emulation's argmax")
