@@ -16,12 +16,12 @@ must also combine its splits) can approach.
 
 import argparse
 import itertools
-from collections.abc import Callable
 from functools import partial
 
 import torch
 from triton.testing import do_bench
 
+from benchmarks.cuda_graphs import graph_us
 from nanovllm.kernels.decode_attention import default_num_splits, paged_decode_attention
 from nanovllm.kernels.device import num_sms
 from nanovllm.kernels.kv_layout import KVLayout
@@ -37,18 +37,6 @@ def copy_bandwidth(num_bytes: int, rep_ms: int) -> float:
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), rep=rep_ms, return_mode="median")
     return 2 * num_bytes / ms / 1e6
-
-
-def graph_time_us(fns: list[Callable[[], object]], rep_ms: int) -> float:
-    """Median microseconds per call of ``fns`` captured in one CUDA graph, as the engine runs
-    decode steps (a plain launch from Python costs more CPU time than a small decode step takes
-    on the GPU). do_bench clears the L2 cache before each replay."""
-    fns[0]()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    return do_bench(graph.replay, rep=rep_ms, return_mode="median") * 1e3 / len(fns)
 
 
 def bench_decode(
@@ -85,13 +73,13 @@ def bench_decode(
         partial(paged_decode_attention, q, k, v, tables, ctx, HEAD_DIM**-0.5, num_splits, layout=layout)
         for k, v in caches
     ]
-    return graph_time_us(calls, rep_ms), num_splits
+    return graph_us(calls, rep_ms), num_splits
 
 
 def read_floor_us(num_bytes: int, rep_ms: int, layers: int) -> float:
     """Median microseconds per layer of ``sum`` over ``num_bytes`` (a buffer per layer)."""
     bufs = [torch.empty(num_bytes // 2, dtype=DTYPE, device="cuda").normal_() for _ in range(layers)]
-    return graph_time_us([partial(torch.sum, b, dtype=torch.float32) for b in bufs], rep_ms)
+    return graph_us([partial(torch.sum, b, dtype=torch.float32) for b in bufs], rep_ms)
 
 
 def main() -> None:

@@ -32,7 +32,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_gemm import graph_us, projections
+from benchmarks.bench_gemm import projections
+from benchmarks.cuda_graphs import graph_us
 from nanovllm.demo_models import SHAPES
 from nanovllm.kernels.fp8 import (
     GROUP,

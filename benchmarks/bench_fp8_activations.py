@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from benchmarks.bench_gemm import graph_us
+from benchmarks.cuda_graphs import graph_us
 from nanovllm.demo_models import SHAPES
 from nanovllm.kernels.fp8 import quantize_per_token_group
 from nanovllm.kernels.rms_norm import add_rms_norm_ref, rms_norm_fp8, rms_norm_fp8_ref

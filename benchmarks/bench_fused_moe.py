@@ -20,25 +20,13 @@ import itertools
 import torch
 from triton.testing import do_bench
 
+from benchmarks.cuda_graphs import capture
 from nanovllm.kernels.fused_moe import _config, fused_moe, fused_moe_ref
 from nanovllm.layers.fp8 import block_scales_per_row, quantize_weight, quantize_weight_blocks
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
-
-
-def graph_replay(fn) -> callable:
-    """``fn`` captured in a CUDA graph (after a warm-up on a side stream, as capture requires)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def make_experts(kind: str) -> dict:
@@ -80,7 +68,7 @@ def rates(tokens: int, ids: torch.Tensor, experts: dict, ms: float) -> str:
 
 def bench(tokens: int, rep_ms: int, experts: dict, loop: bool) -> None:
     x, weights, ids = routing(tokens)
-    fused = graph_replay(lambda: fused_moe(x, topk_weights=weights, topk_ids=ids, **experts))
+    fused = capture(lambda: fused_moe(x, topk_weights=weights, topk_ids=ids, **experts)).replay
     row = [f"{tokens:>6}", rates(tokens, ids, experts, do_bench(fused, rep=rep_ms, return_mode="median"))]
     if loop:
         got = fused_moe(x, topk_weights=weights, topk_ids=ids, **experts)
@@ -121,7 +109,7 @@ def sweep(tokens: int, rep_ms: int, kind: str, experts: dict) -> None:
         if err > tol:
             print(f"{tokens:>6} | {cfg} | skipped: max |diff| {err:.3g} from the default tiles", flush=True)
             continue
-        timed.append((do_bench(graph_replay(lambda c=cfg: run(c)), rep=rep_ms, return_mode="median"), cfg))
+        timed.append((do_bench(capture(lambda c=cfg: run(c)).replay, rep=rep_ms, return_mode="median"), cfg))
     base = timed[0][0]
     defaults = [t for t in timed if t[1] in configs[:2]]
     best = sorted(timed, key=lambda t: t[0])[:6]

@@ -26,8 +26,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
 
+from benchmarks.cuda_graphs import graph_us
 from benchmarks.gemm_probes import MID_SPLITK_TILES, SPLITK_TILES, TILES, gemv_linear, triton_linear
 from nanovllm.demo_models import SHAPES
 from nanovllm.kernels.gate_up_silu import gate_up_silu
@@ -58,17 +58,6 @@ def projections(shape: str) -> dict[str, tuple[int, int]]:
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     h, i = c["hidden_size"], c["intermediate_size"]
     return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * i), "down": (i, h)}
-
-
-def graph_us(calls: list, rep_ms: int) -> float:
-    """Median microseconds per call of ``calls`` replayed as one CUDA graph."""
-    calls[0]()  # compile and pick algorithms outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return do_bench(graph.replay, rep=rep_ms, return_mode="median") * 1e3 / len(calls)
 
 
 def linear_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

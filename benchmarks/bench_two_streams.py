@@ -18,7 +18,7 @@ from dataclasses import fields, replace
 
 import torch
 
-from benchmarks.profile_decode_step import replay_ms
+from benchmarks.cuda_graphs import capture, replay_ms
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention import AttentionMetadata
 from nanovllm.demo_models import SHAPES, write_config
@@ -34,15 +34,6 @@ def rows_of(meta: AttentionMetadata, start: int, end: int) -> AttentionMetadata:
         if isinstance(value := getattr(meta, f.name), torch.Tensor) and value.shape[0] == rows
     }
     return replace(meta, **(sliced | {"decode_order": None}))
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    fn()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def main() -> None:
@@ -92,9 +83,9 @@ def main() -> None:
 
     with torch.inference_mode():
         graphs = {
-            "whole batch, one stream": graph_of(whole),
-            "two halves, one stream": graph_of(halves(False)),
-            "two halves, two streams": graph_of(halves(True)),
+            "whole batch, one stream": capture(whole),
+            "two halves, one stream": capture(halves(False)),
+            "two halves, two streams": capture(halves(True)),
         }
         for name in ("whole batch, one stream", "two halves, two streams"):  # captured, not yet run
             graphs[name].replay()

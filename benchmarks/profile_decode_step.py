@@ -26,6 +26,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.cuda_graphs import replay_ms
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo_models import SHAPES, write_config
 from nanovllm.scheduling import ScheduledStep
@@ -133,18 +134,6 @@ def device_time(prof, reps: int) -> tuple[float, float, float]:
     busy_ms = sum(e.self_device_time_total for e in events) / reps / 1e3
     copies = sum(e.count for e in events if e.key.startswith(("Memcpy", "Memset"))) / reps
     return busy_ms, sum(e.count for e in events) / reps - copies, copies
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
-    """Milliseconds per replay of ``graph``, ``reps`` back to back after one more."""
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def replay_alone(graphs, batch: int, reps: int = 50) -> None:
