@@ -21,7 +21,7 @@ import torch
 from triton.testing import do_bench
 
 from benchmarks.cuda_graphs import capture
-from nanovllm.kernels.fused_moe import _config, fused_moe, fused_moe_ref
+from nanovllm.kernels.fused_moe import fused_moe, fused_moe_config, fused_moe_ref
 from nanovllm.layers.fp8 import block_scales_per_row, quantize_weight, quantize_weight_blocks
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -92,7 +92,7 @@ def candidates(kind: str, per_expert: float) -> list[dict]:
 def sweep(tokens: int, rep_ms: int, kind: str, experts: dict) -> None:
     x, weights, ids = routing(tokens)
     run = lambda cfg: fused_moe(x, topk_weights=weights, topk_ids=ids, config=cfg, **experts)  # noqa: E731
-    default = _config(tokens * TOP_K, EXPERTS, experts["w13"].dtype)
+    default = fused_moe_config(tokens * TOP_K, EXPERTS, experts["w13"].dtype)
     if kind == "fp8-block":
         default["BLOCK_K"] = min(default["BLOCK_K"], 128)
     want = run(None).float()

@@ -267,7 +267,7 @@ def _sum_over_k_kernel(pairs_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: t
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
+def fused_moe_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     """Tiles, from sweeps at Qwen3-30B-A3B's shape (16-bit on the H200, e4m3 on the H100:
     ``benchmarks/bench_fused_moe.py --sweep``): BLOCK_M follows the pairs an expert gets on
     average (padding is wasted work); fp32 keeps to smaller tiles so the staged ones fit in shared
@@ -326,7 +326,7 @@ def fused_moe(
     num_pairs = tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    cfg = _config(num_pairs, num_experts, w13.dtype)
+    cfg = fused_moe_config(num_pairs, num_experts, w13.dtype)
     if grouped:  # a K step within one scale group
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], GROUP)
     cfg |= config or {}
