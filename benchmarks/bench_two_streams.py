@@ -9,7 +9,9 @@ K/V, at the cost of reading every weight twice. This probe asks whether that pay
 engine is built for it: it starts an engine with ``--batch`` sequences of ``--context`` tokens,
 plans a real decode step, and times CUDA graphs of the model's forward over its rows: the whole
 batch on one stream, the two halves one after the other, and the two halves forked onto two
-streams. The halves' hidden states are checked against the whole batch's first.
+streams, the second either from the start or from the moment the first reaches its first
+attention (so that one half's attention meets the other's GEMMs rather than its attention). The
+halves' hidden states are checked against the whole batch's first.
 """
 
 import argparse
@@ -61,42 +63,86 @@ def main() -> None:
     ids = torch.zeros(n, dtype=torch.int64, device="cuda")  # the tokens do not change the time
     pos, meta, model = inputs.positions, inputs.meta, runner.model
     side = torch.cuda.Stream()
+    high = [torch.cuda.Stream(priority=-8) for _ in range(2)]  # clamped to the highest there is
+    low = {h: torch.cuda.Stream() for h in high}  # the default priority is the lowest
+    attentions = [layer.self_attn.attn for layer in runner.model.model.layers]
+    at_attention = torch.cuda.Event()
     out = {}
 
     def whole():
         out["whole"] = model(ids, pos, meta)
 
-    def halves(two_streams: bool):
+    def attention_on_low(module):
+        """``module``'s forward run on the low-priority stream paired with the current one."""
+        forward = module.forward
+
+        def run(*args, **kwargs):
+            here = torch.cuda.current_stream()
+            there = low[here]
+            there.wait_stream(here)
+            with torch.cuda.stream(there):
+                o = forward(*args, **kwargs)
+            here.wait_stream(there)
+            return o
+
+        return run
+
+    def halves(mode: str):
+        """``serial``: one after the other; ``parallel``: on two streams at once; ``high``: so, the
+        second on a high-priority stream; ``offset``: the second from the first's first attention
+        on; ``offset-high``: so, the second on a high-priority stream; ``attention-low``: offset,
+        each half's attention at low priority and the rest at high."""
+
         def run():
             a = (ids[:half], pos[:half], rows_of(meta, 0, half))
             b = (ids[half:], pos[half:], rows_of(meta, half, n))
-            if not two_streams:
+            if mode == "serial":
                 out["a"], out["b"] = model(*a), model(*b)
                 return
-            side.wait_stream(torch.cuda.current_stream())
-            out["a"] = model(*a)
-            with torch.cuda.stream(side):
+            main = torch.cuda.current_stream()
+            first = high[0] if mode == "attention-low" else main
+            second = {"parallel": side, "offset": side}.get(mode, high[1])
+            for s in (first, second):
+                s.wait_stream(main)
+            hooks = [attentions[0].register_forward_pre_hook(lambda *_: at_attention.record())]
+            if mode == "attention-low":
+                for m in attentions:
+                    m.forward = attention_on_low(m)
+            with torch.cuda.stream(first):
+                out["a"] = model(*a)
+            for h in hooks:
+                h.remove()
+            if mode.startswith("offset") or mode == "attention-low":
+                second.wait_event(at_attention)
+            with torch.cuda.stream(second):
                 out["b"] = model(*b)
-            torch.cuda.current_stream().wait_stream(side)
+            for m in attentions:
+                m.__dict__.pop("forward", None)
+            for s in (first, second):
+                main.wait_stream(s)
 
         return run
 
     with torch.inference_mode():
-        graphs = {
-            "whole batch, one stream": capture(whole),
-            "two halves, one stream": capture(halves(False)),
-            "two halves, two streams": capture(halves(True)),
-        }
-        for name in ("whole batch, one stream", "two halves, two streams"):  # captured, not yet run
+        graphs, outputs = {}, {}  # each graph's output tensors, which its replays overwrite
+        for name, fn in [("whole batch, one stream", whole)] + [
+            (f"two halves, {mode}", halves(mode))
+            for mode in ("serial", "parallel", "high", "offset", "offset-high", "attention-low")
+        ]:
+            graphs[name] = capture(fn)
+            outputs[name] = dict(out)
+        graphs["whole batch, one stream"].replay()  # captured, not yet run
+        whole_out = outputs["whole batch, one stream"]["whole"].float()
+        for name in list(graphs)[1:]:
             graphs[name].replay()
-        torch.cuda.synchronize()
-        err = (torch.cat((out["a"], out["b"])).float() - out["whole"].float()).abs().max().item()
-        scale = out["whole"].float().abs().max().item()
-        if err > 2e-2 * scale:
-            raise AssertionError(f"the halves' hidden states differ from the whole batch's by {err:.3g}")
+            torch.cuda.synchronize()
+            err = (torch.cat((outputs[name]["a"], outputs[name]["b"])).float() - whole_out).abs().max().item()
+            scale = whole_out.abs().max().item()
+            if err > 2e-2 * scale:
+                raise AssertionError(f"{name}: the halves differ from the whole batch by {err:.3g}")
         print(f"{torch.cuda.get_device_name()}, {args.shape}, {n} rows, context ~{args.context}")
         for name, graph in graphs.items():
-            print(f"  {name:24s} {replay_ms(graph, args.reps):.3f} ms", flush=True)
+            print(f"  {name:32s} {replay_ms(graph, args.reps):.3f} ms", flush=True)
     llm.exit()
 
 
