@@ -66,12 +66,6 @@ class AttentionMetadata:
         """A view of the first ``n`` rows (host-side values unchanged)."""
         return replace(self, **{name: getattr(self, name)[:n] for name, _ in self._row_fields()})
 
-    def rows(self, start: int, end: int) -> "AttentionMetadata":
-        """A view of rows ``[start, end)`` as a batch of their own, without a row order (the
-        whole batch's names rows outside them)."""
-        sliced = {name: getattr(self, name)[start:end] for name, _ in self._row_fields()}
-        return replace(self, **(sliced | {"decode_order": None}))
-
     def copy_rows_from(self, other: "AttentionMetadata", num_rows: int) -> None:
         """Copy ``other``'s rows into the first of ours and pad the rest up to ``num_rows``."""
         for name, pad in self._row_fields():

@@ -23,8 +23,7 @@ class DecodeGraphs:
     buffers the graphs read. A batch is copied into them, and the rows past it are padded
     with the values :class:`AttentionMetadata` declares (no KV stored, one key attended), so a
     new metadata field needs no change here. Input ids and positions of padding rows keep
-    stale (valid) values. Sizes of at least ``halves_min_rows`` capture ``halves`` instead of
-    ``forward`` where it is given (:class:`~nanovllm.execution.decode_halves.DecodeHalves`).
+    stale (valid) values.
     """
 
     def __init__(
@@ -34,8 +33,6 @@ class DecodeGraphs:
         positions: torch.Tensor,
         example: AttentionMetadata,
         max_num_seqs: int,
-        halves: DecodeForward | None = None,
-        halves_min_rows: int = 0,
     ):
         self.batch_sizes = batch_size_ladder(max_num_seqs)
         if input_ids.shape[0] != self.batch_sizes[-1]:
@@ -48,11 +45,10 @@ class DecodeGraphs:
         with torch.inference_mode():
             for bs in reversed(self.batch_sizes):  # largest first, so smaller ones reuse its pool
                 args = (self.input_ids[:bs], self.positions[:bs], self.meta.first_rows(bs))
-                run = halves if halves is not None and bs >= halves_min_rows else forward
-                run(*args)  # warm-up: compiles kernels outside the capture
+                forward(*args)  # warm-up: compiles kernels outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool):
-                    self.outputs[bs] = run(*args)
+                    self.outputs[bs] = forward(*args)
                 pool = graph.pool() if pool is None else pool
                 self.graphs[bs] = graph
         torch.cuda.synchronize()

@@ -1,7 +1,6 @@
 """Runs the model for a :class:`StepBatch` on one tensor-parallel rank."""
 
 import functools
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,7 +13,6 @@ import torch.distributed as dist
 
 from nanovllm.config import SLEEP_TAGS, Config
 from nanovllm.execution.cuda_graph import DecodeGraphs
-from nanovllm.execution.decode_halves import DecodeHalves, halves_mode
 from nanovllm.execution.kv_cache import KVCache
 from nanovllm.execution.loader import WeightMap, Weights, build_model, plan_weight_update
 from nanovllm.execution.logprobs import LogprobTensors, prompt_logprobs, to_host, token_logprobs
@@ -24,7 +22,6 @@ from nanovllm.execution.sleep import OffloadedWeights
 from nanovllm.execution.startup_steps import dummy_batch, prompt_rows, warm_up_lens
 from nanovllm.execution.step_inputs import StepInputBuilder, StepInputs
 from nanovllm.execution.token_bitmask import BitmaskUpload
-from nanovllm.layers.attention import Attention
 from nanovllm.layers.parallel import TPGroup
 from nanovllm.scheduling.step import StepBatch, StepOutput
 
@@ -193,12 +190,7 @@ class ModelRunner:
         n = self.config.max_num_seqs
         example = dummy_batch([1] * n, self.config.kvcache_block_size)
         inputs = self.inputs.build(example)
-        halves, mode = None, halves_mode()
-        if mode != "off" and self.tp.size == 1:
-            attentions = [m for m in self.model.modules() if isinstance(m, Attention)]
-            halves = DecodeHalves(self.model, attentions, mode)
-        min_rows = int(os.environ.get("NANOVLLM_DECODE_HALVES_MIN_ROWS", "128"))
-        return DecodeGraphs(self.model, inputs.input_ids, inputs.positions, inputs.meta, n, halves, min_rows)
+        return DecodeGraphs(self.model, inputs.input_ids, inputs.positions, inputs.meta, n)
 
     # --- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
