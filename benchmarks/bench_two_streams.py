@@ -157,14 +157,20 @@ def main() -> None:
         for name, fn in variants:
             graphs[name] = capture(fn)
             outputs[name] = dict(out)
-        graphs["whole batch, one stream"].replay()  # captured, not yet run
+        for graph in graphs.values():  # captured, not yet run
+            graph.replay()
+        torch.cuda.synchronize()
+        # the halves' GEMMs may take other cuBLAS algorithms than the whole batch's, so bf16 rounds
+        # differently over the layers; the streams must not change what the halves compute
         whole_out = outputs["whole batch, one stream"]["whole"].float()
-        for name in list(graphs)[1:]:
-            graphs[name].replay()
-            torch.cuda.synchronize()
-            err = (outputs[name]["halves"].float() - whole_out).abs().max().item()
-            if err > 2e-2 * whole_out.abs().max().item():
-                raise AssertionError(f"{name}: the halves differ from the whole batch by {err:.3g}")
+        serial_out = outputs["two halves, one stream"]["halves"].float()
+        err = (serial_out - whole_out).abs().max().item()
+        if err > 0.1 * whole_out.abs().max().item():
+            raise AssertionError(f"the halves differ from the whole batch by {err:.3g}")
+        for name in list(graphs)[2:]:
+            err = (outputs[name]["halves"].float() - serial_out).abs().max().item()
+            if err > 1e-3 * serial_out.abs().max().item():
+                raise AssertionError(f"{name}: the halves differ from the halves on one stream by {err:.3g}")
         print(f"{torch.cuda.get_device_name()}, {args.shape}, {n} rows, context ~{args.context}")
         for name, graph in graphs.items():
             print(f"  {name:32s} {replay_ms(graph, args.reps):.3f} ms", flush=True)
