@@ -22,7 +22,7 @@ from triton.testing import do_bench
 
 from benchmarks.cuda_graphs import capture
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_config, fused_moe_ref
-from nanovllm.layers.fp8 import block_scales_per_row, quantize_weight, quantize_weight_blocks
+from nanovllm.layers.fused_moe import quantize_blocks, quantize_rows
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 DTYPE = torch.bfloat16
@@ -36,20 +36,9 @@ def make_experts(kind: str) -> dict:
     if kind == "bf16":
         return dict(w13=w13, w2=w2)
     if kind == "fp8-row":
-        (q13, s13), (q2, s2) = [quantize_weight(w.reshape(-1, w.shape[-1])) for w in (w13, w2)]
-        return dict(w13=q13.view(w13.shape), w2=q2.view(w2.shape), w13_scale=s13.view(EXPERTS, -1),
-                    w2_scale=s2.view(EXPERTS, -1))  # fmt: skip
-
-    def blocks(w: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each expert's ``parts`` (gate and up: 2) by 128 x 128 blocks, scales kept per row."""
-        weights, scales = [], []
-        for expert in w:
-            pairs = [quantize_weight_blocks(part) for part in expert.chunk(parts)]
-            weights.append(torch.cat([q for q, _ in pairs]))
-            scales.append(torch.cat([block_scales_per_row(s, q.shape[0]) for q, s in pairs]))
-        return torch.stack(weights), torch.stack(scales)
-
-    (q13, s13), (q2, s2) = blocks(w13, 2), blocks(w2, 1)
+        (q13, s13), (q2, s2) = quantize_rows(w13), quantize_rows(w2)
+    else:  # gate and up each by 128 x 128 blocks, as an FP8 checkpoint stores them
+        (q13, s13), (q2, s2) = quantize_blocks(w13, 2), quantize_blocks(w2, 1)
     return dict(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)
 
 
@@ -92,9 +81,7 @@ def candidates(kind: str, per_expert: float) -> list[dict]:
 def sweep(tokens: int, rep_ms: int, kind: str, experts: dict) -> None:
     x, weights, ids = routing(tokens)
     run = lambda cfg: fused_moe(x, topk_weights=weights, topk_ids=ids, config=cfg, **experts)  # noqa: E731
-    default = fused_moe_config(tokens * TOP_K, EXPERTS, experts["w13"].dtype)
-    if kind == "fp8-block":
-        default["BLOCK_K"] = min(default["BLOCK_K"], 128)
+    default = fused_moe_config(tokens * TOP_K, EXPERTS, experts["w13"].dtype, kind == "fp8-block")
     want = run(None).float()
     tol = 3e-2 * want.abs().max().item()  # bf16 roundings of gate, up, silu, down
     configs = [dict(default)] + ([dict(default, FAST_ACCUM=False)] if kind == "fp8-row" else [])

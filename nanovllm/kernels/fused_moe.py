@@ -267,21 +267,24 @@ def _sum_over_k_kernel(pairs_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: t
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def fused_moe_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
+def fused_moe_config(
+    num_pairs: int, num_experts: int, dtype: torch.dtype, block_scales: bool = False
+) -> dict:
     """Tiles, from sweeps at Qwen3-30B-A3B's shape (16-bit on the H200, e4m3 on the H100:
     ``benchmarks/bench_fused_moe.py --sweep``): BLOCK_M follows the pairs an expert gets on
     average (padding is wasted work); fp32 keeps to smaller tiles so the staged ones fit in shared
     memory. ``dtype``: the GEMM operands'. e4m3 K steps of 256 features (block scales cap them at
     128) stream the weights 3-4% faster at decode; in prompt steps, where the products count,
-    128-feature steps run 1.15-1.2x the 64-feature ones."""
+    128-feature steps run 1.15-1.2x the 64-feature ones. ``block_scales``: e4m3 experts scaled by
+    128 x 128 blocks (an FP8 checkpoint's)."""
     per_expert = num_pairs / num_experts
     if dtype == torch.float32:
         block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
         return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
     if dtype == FP8:
-        if per_expert <= 48:
-            block_m = 16 if per_expert <= 16 else 32
-            return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)
+        if per_expert <= 48:  # a K step of block scales stays inside one group
+            block_m, block_k = 16 if per_expert <= 16 else 32, GROUP if block_scales else 256
+            return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=3)
         if per_expert <= 96:
             return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
         block_n = 64 if per_expert <= 256 else 128
@@ -326,10 +329,7 @@ def fused_moe(
     num_pairs = tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    cfg = fused_moe_config(num_pairs, num_experts, w13.dtype)
-    if grouped:  # a K step within one scale group
-        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], GROUP)
-    cfg |= config or {}
+    cfg = fused_moe_config(num_pairs, num_experts, w13.dtype, grouped) | (config or {})
     tiles = {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     if fp8 and tiles["BLOCK_K"] < 32:  # the fp8 MMA's K is 32
         raise ValueError(f"BLOCK_K must be at least 32 for e4m3 weights: {tiles['BLOCK_K']}")

@@ -24,7 +24,7 @@ from nanovllm.layers.fp8 import block_scales_per_row, quantize_weight, quantize_
 from nanovllm.layers.parallel import TPGroup, copy_weight, divide, shard_of
 
 
-def _quantize_rows(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A ``[..., rows, in]`` weight as ``(e4m3 weight, scale [..., rows])``, each row scaled over
     its whole length (a meta tensor gives meta outputs: a dry run's shapes)."""
     weight, scale = quantize_weight(loaded.reshape(-1, loaded.shape[-1]))
@@ -37,12 +37,12 @@ def _check_dims(loaded: torch.Tensor, expert: int | None) -> None:
         raise ValueError(f"has shape {tuple(loaded.shape)}, expected {3 if expert is None else 2} dimensions")
 
 
-def _quantize_blocks(loaded: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(loaded: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A model-dtype ``[rows, in]`` (or stacked ``[experts, rows, in]``) weight as an FP8
     checkpoint would hold it, each of its ``parts`` (gate and up: 2) quantized by 128 x 128
     blocks: ``(e4m3 weight, block scales per row [..., rows, groups])``."""
     if loaded.dim() == 3:
-        pairs = [_quantize_blocks(expert, parts) for expert in loaded]
+        pairs = [quantize_blocks(expert, parts) for expert in loaded]
         return torch.stack([w for w, _ in pairs]), torch.stack([s for _, s in pairs])
     pairs = [quantize_weight_blocks(part) for part in loaded.chunk(parts, dim=0)]
     weights = [w for w, _ in pairs]
@@ -127,7 +127,7 @@ class FusedMoE(nn.Module):
         expert, half = shard_id
         _check_dims(loaded, expert)
         # quantized where the parameter lives (on the GPU, not the host's cores), as linear layers do
-        weight, scale = _quantize_rows(loaded if param.is_meta else loaded.to(param.device))
+        weight, scale = quantize_rows(loaded if param.is_meta else loaded.to(param.device))
         scales = self.w2_scale if half is None else self.w13_scale
         if param.is_meta:
             scales = torch.empty_like(scales, device="meta")
@@ -171,7 +171,7 @@ class FusedMoE(nn.Module):
             if param.is_meta:
                 loaded = loaded.to(FP8)
             else:
-                loaded, scales = _quantize_blocks(loaded.to(param.device), parts)
+                loaded, scales = quantize_blocks(loaded.to(param.device), parts)
                 self._route_scales(scales, shard_id)
         self._route(param.data, loaded, shard_id, split_columns=True)
 
