@@ -5,7 +5,8 @@
 
 With ``--prompt-tokens N`` every timed step is a mixed one: the decodes plus ``--prompts``
 new N-token prompts (requests of one output token, so the batch stays the same size). The
-8B bench's prompt steps are about ``--batch 512 --context 600 --prompt-tokens 560 --prompts 29``.
+8B bench's prompt steps are about ``--batch 512 --context 600 --prompt-tokens 560 --prompts 29``;
+``--batch 1 --context 16 --prompt-tokens 8192`` is close to ``bench.py --latency``'s first token.
 
 Prints wall time per step split into parts (queueing the mixed steps' new prompts, schedule, the
 host's launch of the step: inputs, forward and sampling enqueued, the wait for its tokens,
@@ -50,7 +51,7 @@ def main() -> None:
         path,
         load_format="dummy",
         enforce_eager=args.enforce_eager,
-        max_model_len=4096,
+        max_model_len=max(4096, args.context + args.prompt_tokens + 2 * args.steps + 64),
         quantization=args.quantization,
     )
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=10_000)
