@@ -71,12 +71,6 @@ SMALL_M_TILES = [
         (64, 512, 4, 3, 1), (16, 256, 4, 4, 2), (32, 256, 4, 4, 2), (64, 256, 4, 3, 2),
         (32, 512, 4, 3, 2), (128, 256, 8, 3, 2), (32, 256, 4, 4, 4), (64, 256, 4, 3, 4),
     ]
-] + [  # the weight tile as the e4m3 MMA's 64 rows (SWAP_AB), so 64 or more columns
-    dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=st, SPLIT_K=sp, SWAP_AB=True)
-    for bn, bk, st, sp in [
-        (64, 256, 3, 1), (64, 128, 4, 1), (128, 128, 3, 1), (64, 256, 3, 2), (128, 256, 3, 2),
-        (64, 256, 3, 4),
-    ]
 ]  # fmt: skip
 MID_M_TILES = [
     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages, SPLIT_K=split)

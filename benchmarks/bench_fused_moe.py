@@ -8,18 +8,14 @@ experts, top-8, bf16 activations; the experts in bf16, in e4m3 with one scale pe
 work, 6 * hidden * inter per (token, expert) pair; at few tokens the layer is bound by the expert
 weights it reads, so their bandwidth (GB/s of distinct experts' weights) is shown too. The fused
 kernels run as a CUDA-graph replay (as decode steps run them: GPU time, no launch overhead).
-``--config`` (JSON) sets tiles or options over the defaults, e.g. ``'{"SWAP_AB": true}'`` (e4m3
-experts: the weights as the MMA's 64 rows). ``--loop`` adds the per-expert torch reference,
-eagerly (it syncs with the host; float64 products for e4m3 experts). ``--sweep`` times every
-candidate tile at each token count (e4m3: each also swapped), the defaults swapped, and for e4m3
-experts with per-row scales the default tiles with each K step summed apart
-(``FAST_ACCUM=False``); a tile whose output differs from the default tiles' beyond the GEMMs'
-rounding is reported and skipped.
+``--loop`` adds the per-expert torch reference, eagerly (it syncs with the host; float64 products
+for e4m3 experts). ``--sweep`` times every candidate tile at each token count, and for e4m3 experts
+with per-row scales the default tiles with each K step summed apart (``FAST_ACCUM=False``); a tile
+whose output differs from the default tiles' beyond the GEMMs' rounding is reported and skipped.
 """
 
 import argparse
 import itertools
-import json
 
 import torch
 from triton.testing import do_bench
@@ -59,12 +55,12 @@ def rates(tokens: int, ids: torch.Tensor, experts: dict, ms: float) -> str:
     return f"{ms * 1e3:>9.1f} us {flops / ms / 1e9:>7.2f} TFLOP/s {weight_bytes / ms / 1e6:>7.0f} GB/s"
 
 
-def bench(tokens: int, rep_ms: int, experts: dict, loop: bool, config: dict | None) -> None:
+def bench(tokens: int, rep_ms: int, experts: dict, loop: bool) -> None:
     x, weights, ids = routing(tokens)
-    fused = capture(lambda: fused_moe(x, topk_weights=weights, topk_ids=ids, config=config, **experts)).replay
+    fused = capture(lambda: fused_moe(x, topk_weights=weights, topk_ids=ids, **experts)).replay
     row = [f"{tokens:>6}", rates(tokens, ids, experts, do_bench(fused, rep=rep_ms, return_mode="median"))]
     if loop:
-        got = fused_moe(x, topk_weights=weights, topk_ids=ids, config=config, **experts)
+        got = fused_moe(x, topk_weights=weights, topk_ids=ids, **experts)
         ref = lambda: fused_moe_ref(x, topk_weights=weights, topk_ids=ids, **experts)  # noqa: E731
         err = (got.float() - ref().float()).abs().max().item()
         row += [
@@ -78,13 +74,8 @@ def candidates(kind: str, per_expert: float) -> list[dict]:
     """The sweep's tiles: ``BLOCK_M`` around the pairs an expert gets, wider K steps for e4m3."""
     block_ms = [16, 32] if per_expert <= 48 else [64, 128]
     block_ks = [128, 256] if kind == "fp8-row" else [64, 128]  # block scales: a step in one group
-    swaps = [False, True] if kind != "bf16" else [False]  # e4m3: the weights as the MMA's 64 rows
-    tiles = itertools.product(block_ms, [64, 128], block_ks, [4, 8], [3, 4], swaps)
-    swapped = {True: dict(SWAP_AB=True), False: {}}
-    return [
-        dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) | swapped[swap]
-        for m, n, k, w, st, swap in tiles
-    ]
+    tiles = itertools.product(block_ms, [64, 128], block_ks, [4, 8], [3, 4])
+    return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s) for m, n, k, w, s in tiles]
 
 
 def sweep(tokens: int, rep_ms: int, kind: str, experts: dict) -> None:
@@ -93,13 +84,8 @@ def sweep(tokens: int, rep_ms: int, kind: str, experts: dict) -> None:
     default = fused_moe_config(tokens * TOP_K, EXPERTS, experts["w13"].dtype, kind == "fp8-block")
     want = run(None).float()
     tol = 3e-2 * want.abs().max().item()  # bf16 roundings of gate, up, silu, down
-    named = {"(default)": dict(default)}
-    if kind != "bf16":
-        named["(default, swapped)"] = dict(default, SWAP_AB=True)
-    if kind == "fp8-row":
-        named["(default, K steps summed apart)"] = dict(default, FAST_ACCUM=False)
-    configs = list(named.values())
-    configs += [cfg for cfg in candidates(kind, tokens * TOP_K / EXPERTS) if cfg not in configs]
+    configs = [dict(default)] + ([dict(default, FAST_ACCUM=False)] if kind == "fp8-row" else [])
+    configs += [cfg for cfg in candidates(kind, tokens * TOP_K / EXPERTS) if cfg != default]
     timed = []
     for cfg in configs:
         try:
@@ -112,11 +98,10 @@ def sweep(tokens: int, rep_ms: int, kind: str, experts: dict) -> None:
             continue
         timed.append((do_bench(capture(lambda c=cfg: run(c)).replay, rep=rep_ms, return_mode="median"), cfg))
     base = timed[0][0]
-    defaults = [t for t in timed if t[1] in named.values()]
+    defaults = [t for t in timed if t[1] in configs[:2]]
     best = sorted(timed, key=lambda t: t[0])[:6]
-    labels = {str(cfg): label for label, cfg in named.items()}
     for ms, cfg in best + [t for t in defaults if t not in best]:
-        label = labels.get(str(cfg), "")
+        label = {0: "(default)", 1: "(default, K steps summed apart)"}.get(configs.index(cfg), "")
         print(
             f"{tokens:>6} | {rates(tokens, ids, experts, ms)} | {base / ms:5.2f}x | {cfg} {label}", flush=True
         )
@@ -131,7 +116,6 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every candidate tile per token count")
     parser.add_argument("--loop", action="store_true", help="also time the per-expert torch reference")
     parser.add_argument("--rep-ms", type=int, default=200)
-    parser.add_argument("--config", type=json.loads, default=None, help="JSON tiles over the defaults")
     args = parser.parse_args()
     torch.manual_seed(0)
     experts = make_experts(args.experts)
@@ -140,7 +124,7 @@ def main() -> None:
         if args.sweep:
             sweep(tokens, args.rep_ms, args.experts, experts)
         else:
-            bench(tokens, args.rep_ms, experts, args.loop, args.config)
+            bench(tokens, args.rep_ms, experts, args.loop)
 
 
 if __name__ == "__main__":

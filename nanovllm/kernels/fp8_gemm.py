@@ -81,44 +81,19 @@ def _tile_origin(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
     return pid_m * BLOCK_M, pid_n * BLOCK_N
 
 
-@triton.jit
-def swappable_dot(acc, a, w, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``acc + a @ w`` (``a [M, K]``, ``w [K, N]``; ``acc`` None: the product alone), or with
-    ``SWAP_AB`` the same transposed, ``acc [N, M] + w^T @ a^T``: the weight tile then takes the
-    MMA's 64-row side. Hopper's e4m3 wgmma needs 64 rows; a token tile of 16 or 32 rows instead
-    compiles to fp16 MMAs on operands converted from e4m3, each K step."""
-    if SWAP_AB:
-        sums = tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=DOT_PRECISION)
-    else:
-        sums = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-    return sums
-
-
-@triton.jit
-def swappable_scaled(sums, row_scale, col_scale, SWAP_AB: tl.constexpr):
-    """``sums * row_scale[:, None] * col_scale[None, :]`` for :func:`swappable_dot`'s ``sums``,
-    transposed with ``SWAP_AB`` as they are."""
-    if SWAP_AB:
-        scaled = sums * row_scale[None, :] * col_scale[:, None]
-    else:
-        scaled = sums * row_scale[:, None] * col_scale[None, :]
-    return scaled
-
-
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, K_SHARE,
     stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_wsk, stride_om,
     SCALE_GROUP: tl.constexpr, W_ROWS_PER_SCALE: tl.constexpr, GROUP_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile over features ``K_SHARE * program_id(1) ...`` (all
     of K unless ``SPLIT_K``). ``GROUP_SCALES``: the scales change along K (a scale stride of 0
     repeats one), applied to each group's partial product; otherwise one scale per row and per
-    column, applied once to the sum. ``SWAP_AB``: the sums in transposed tiles
-    (:func:`swappable_dot`)."""
+    column, applied once to the sum."""
     wait_for_prior_grid(PDL)
     first_m, first_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_start = tl.program_id(1) * K_SHARE
@@ -131,26 +106,20 @@ def _fp8_gemm_kernel(
     w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + (k_start + k)[None, :]
     as_ptrs = as_ptr + m * stride_asm
     ws_ptrs = ws_ptr + (n // W_ROWS_PER_SCALE) * stride_wsn  # a column tile may span two blocks
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_ok = k[None, :] < k_end - k0  # past the share: zeros, which add nothing
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
-        # a fresh dot per step: Hopper's fp8 MMA accumulates in reduced precision (~14 bits)
-        sums = swappable_dot(None, a, w.T, SWAP_AB, "tf32")
         if GROUP_SCALES:
             g = k0 // SCALE_GROUP  # BLOCK_K divides the group: one scale per row / column per step
             a_s = tl.load(as_ptrs + g * stride_ask, mask=m_ok, other=0.0)
             w_s = tl.load(ws_ptrs + g * stride_wsk, mask=n_ok, other=0.0)
-            sums = swappable_scaled(sums, a_s, w_s, SWAP_AB)
-        acc += sums
+            acc += tl.dot(a, w.T) * a_s[:, None] * w_s[None, :]
+        else:  # a fresh dot per step: Hopper's fp8 MMA accumulates in reduced precision (~14 bits)
+            acc += tl.dot(a, w.T)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if SWAP_AB:
-        acc = tl.trans(acc)
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:  # the share's unscaled sum, for _sum_shares_kernel
         rows = tl.program_id(1).to(tl.int64) * M + m  # of the [SPLIT_K * M, N] shares
@@ -244,8 +213,7 @@ def fp8_gemm(
     (powers of two >= 16), ``BLOCK_K`` (a power of two >= 32, dividing 128 where the scales change
     along K), ``GROUP_M``, ``num_warps``, ``num_stages``, ``SPLIT_K`` (K cut into that many shares,
     each a program's, their fp32 sums added by a second kernel: more programs to stream a weight at
-    decode-sized ``m``), ``SWAP_AB`` (the sums in transposed tiles, the weight on the MMA's 64-row
-    side; default off).
+    decode-sized ``m``).
     On CUDA it needs float8 tensor cores (sm_89+)."""
     if a_fp8.dtype != FP8 or w_fp8.dtype != FP8:
         raise ValueError(f"a_fp8 and w_fp8 must be float8_e4m3fn: {a_fp8.dtype}, {w_fp8.dtype}")
@@ -283,7 +251,6 @@ def fp8_gemm(
     if not k:
         return out.zero_()
     split = cfg.setdefault("SPLIT_K", 1)
-    cfg.setdefault("SWAP_AB", False)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=out.device)
     k_share = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)

@@ -42,8 +42,6 @@ from nanovllm.kernels.fp8 import (
 from nanovllm.kernels.fp8_gemm import (
     fp8_channel_gemm_ref,
     fp8_row_group_gemm_ref,
-    swappable_dot,
-    swappable_scaled,
 )
 from nanovllm.kernels.moe_align import moe_align
 
@@ -149,14 +147,14 @@ def _gate_up_kernel(
     num_pairs, top_k, hidden, inter,
     stride_xm, stride_we, stride_wn, stride_wk, stride_om, stride_xsm, stride_wse, stride_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, GROUP_K: tl.constexpr, FAST_ACCUM: tl.constexpr, SWAP_AB: tl.constexpr,
+    FP8: tl.constexpr, GROUP_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
 ):  # fmt: skip
     """out[pair, n] = silu(x[token] @ gate[e, n]) * (x[token] @ up[e, n]) for one block of pairs.
     ``FP8``: ``x`` and ``w`` hold e4m3 values, scaled per token (``x_scale``) and per expert and
     row (``w_scale``) once the sums are done (kept in the MMA's accumulator with ``FAST_ACCUM``);
     with ``GROUP_K`` (block scales) per token and ``GROUP_K`` features and per expert, row and
     ``GROUP_K`` features, each K step's sums scaled by its group's (``BLOCK_K`` divides
-    ``GROUP_K``). ``SWAP_AB``: the sums in transposed tiles (``fp8_gemm.swappable_dot``)."""
+    ``GROUP_K``)."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # the grid is sized for the worst case
         return
@@ -170,11 +168,8 @@ def _gate_up_kernel(
     # [BLOCK_K, BLOCK_N] tiles of w^T; the up rows sit ``inter`` rows below the gate rows
     g_ptrs = w_ptr + e * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk
     u_ptrs = g_ptrs + inter * stride_wn
-    if SWAP_AB:
-        gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros_like(gate)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         a = tl.load(x_ptrs, mask=valid[:, None] & (k[None, :] < hidden - k0), other=0.0)
         w_mask = (n[None, :] < inter) & (k[:, None] < hidden - k0)
@@ -182,23 +177,21 @@ def _gate_up_kernel(
         u = tl.load(u_ptrs, mask=w_mask, other=0.0)
         if FP8 and GROUP_K:
             group = k0 // GROUP_K
-            x_s = tl.load(x_scale_ptr + tokens * stride_xsm + group, mask=valid, other=0.0)
+            x_s = tl.load(x_scale_ptr + tokens * stride_xsm + group, mask=valid, other=0.0)[:, None]
             s_ptrs = w_scale_ptr + e * stride_wse + n * stride_wsn + group
-            g_s = tl.load(s_ptrs, mask=n < inter, other=0.0)
-            u_s = tl.load(s_ptrs + inter * stride_wsn, mask=n < inter, other=0.0)
-            gate += swappable_scaled(swappable_dot(None, a, g, SWAP_AB, DOT_PRECISION), x_s, g_s, SWAP_AB)
-            up += swappable_scaled(swappable_dot(None, a, u, SWAP_AB, DOT_PRECISION), x_s, u_s, SWAP_AB)
+            gate += tl.dot(a, g) * x_s * tl.load(s_ptrs, mask=n < inter, other=0.0)[None, :]
+            up += (
+                tl.dot(a, u) * x_s * tl.load(s_ptrs + inter * stride_wsn, mask=n < inter, other=0.0)[None, :]
+            )
         elif FP8 and not FAST_ACCUM:  # each step summed apart, then added in fp32
-            gate += swappable_dot(None, a, g, SWAP_AB, DOT_PRECISION)
-            up += swappable_dot(None, a, u, SWAP_AB, DOT_PRECISION)
+            gate += tl.dot(a, g)
+            up += tl.dot(a, u)
         else:
-            gate = swappable_dot(gate, a, g, SWAP_AB, DOT_PRECISION)
-            up = swappable_dot(up, a, u, SWAP_AB, DOT_PRECISION)
+            gate = tl.dot(a, g, gate, input_precision=DOT_PRECISION)
+            up = tl.dot(a, u, up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
-    if SWAP_AB:
-        gate, up = tl.trans(gate), tl.trans(up)
     if FP8 and not GROUP_K:
         x_s = tl.load(x_scale_ptr + tokens * stride_xsm, mask=valid, other=0.0)[:, None]
         s_ptrs = w_scale_ptr + e * stride_wse + n * stride_wsn
@@ -220,12 +213,11 @@ def _down_kernel(
     num_pairs, hidden, inter,
     stride_hm, stride_we, stride_wn, stride_wk, stride_om, stride_hsm, stride_wse, stride_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, GROUP_K: tl.constexpr, FAST_ACCUM: tl.constexpr, SWAP_AB: tl.constexpr,
+    FP8: tl.constexpr, GROUP_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
 ):  # fmt: skip
     """out[pair, n] = weight[pair] * (h[pair] @ down[e, n]) for one block of pairs. ``FP8``: ``h``
     and ``w`` hold e4m3 values, scaled per pair (``h_scale``) and per expert and row (``w_scale``)
-    once the sums are done, or per K step with ``GROUP_K`` as in the gate / up kernel; ``SWAP_AB``
-    as there."""
+    once the sums are done, or per K step with ``GROUP_K`` as in the gate / up kernel."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -237,10 +229,7 @@ def _down_kernel(
     k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows64[:, None] * stride_hm + k[None, :]
     w_ptrs = w_ptr + e * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         a = tl.load(h_ptrs, mask=valid[:, None] & (k[None, :] < inter - k0), other=0.0)
         w = tl.load(w_ptrs, mask=(n[None, :] < hidden) & (k[:, None] < inter - k0), other=0.0)
@@ -248,15 +237,13 @@ def _down_kernel(
             group = k0 // GROUP_K
             h_s = tl.load(h_scale_ptr + rows64 * stride_hsm + group, mask=valid, other=0.0)
             w_s = tl.load(w_scale_ptr + e * stride_wse + n * stride_wsn + group, mask=n < hidden, other=0.0)
-            acc += swappable_scaled(swappable_dot(None, a, w, SWAP_AB, DOT_PRECISION), h_s, w_s, SWAP_AB)
+            acc += tl.dot(a, w) * h_s[:, None] * w_s[None, :]
         elif FP8 and not FAST_ACCUM:  # each step summed apart, as in the gate / up kernel
-            acc += swappable_dot(None, a, w, SWAP_AB, DOT_PRECISION)
+            acc += tl.dot(a, w)
         else:
-            acc = swappable_dot(acc, a, w, SWAP_AB, DOT_PRECISION)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    if SWAP_AB:
-        acc = tl.trans(acc)
     if FP8 and not GROUP_K:
         h_s = tl.load(h_scale_ptr + rows64 * stride_hsm, mask=valid, other=0.0)
         w_s = tl.load(w_scale_ptr + e * stride_wse + n * stride_wsn, mask=n < hidden, other=0.0)
@@ -353,7 +340,6 @@ def fused_moe(
         FP8=fp8,
         GROUP_K=GROUP if grouped else 0,
         FAST_ACCUM=fp8 and not grouped and bool(cfg.get("FAST_ACCUM", True)),
-        SWAP_AB=bool(cfg.get("SWAP_AB", False)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **tiles,

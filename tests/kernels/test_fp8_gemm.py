@@ -153,17 +153,6 @@ def test_split_k_gives_the_product(split):
         gemm.fp8_gemm(*channel, torch.float32, config=dict(SPLIT_K=0))
 
 
-@pytest.mark.parametrize("m, k, split", [(5, 704, 1), (16, 2048, 3), (20, 320, 1)])
-def test_swapped_tiles_give_the_product(m, k, split):
-    """``SWAP_AB``: the sums in transposed tiles (weights on the MMA's 64-row side), per channel
-    and with block scales, K whole or in shares, edges masked."""
-    config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=split, SWAP_AB=True)
-    channel = channel_operands(m, 200, k, m + k, DEVICE)
-    got = gemm.fp8_gemm(*channel, torch.bfloat16, config=config)
-    check_channel_gemm(channel, torch.bfloat16, REL, products=[got])
-    check_gemm(gemm_operands(m, 200, k, m * k, DEVICE), torch.float32, REL, config)
-
-
 def test_block_scales_kept_per_row_give_the_block_product():
     """The engine's layout of an FP8 checkpoint's scales: each 128 x 128 block's scale repeated
     on every row of the block (so that rows can be split across ranks)."""
@@ -248,10 +237,6 @@ def test_compiled_channel_gemm_matches_reference_on_cuda(out_dtype, m, n, k):
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=4),
         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, num_warps=4, num_stages=3, SPLIT_K=2),
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, SPLIT_K=3),
-        # the weight tile as the e4m3 MMA's 64 rows
-        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_stages=3, SPLIT_K=1, SWAP_AB=True),
-        dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_stages=4, SPLIT_K=2, SWAP_AB=True),
-        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_stages=4, SPLIT_K=1, SWAP_AB=True),
     ],
 )
 @pytest.mark.parametrize("m, n, k", [(1, 4096, 12288), (48, 6144, 4096), (200, 1000, 1104)])
