@@ -8,9 +8,12 @@ Two profiled generates of ``--batch`` fresh random prompts of ``--context`` toke
 (the prompts' work), then ``--steps`` + 1 tokens each (the same prompt work and ``--steps`` decode
 steps of ``--batch`` rows). Each kernel's GPU time in the second less the first, over ``--steps``,
 is its share of one decode step; the wall times' difference over ``--steps`` is the step's wall
-time. vLLM runs its engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the
-profiler sees its kernels; random weights for both (``load_format="dummy"``). On CPU (a dry run
-with nanovllm) the table lists operators instead.
+time. (Both engines give a request its first token with its prompt and start decoding it while
+later prompts are still read, so a few of the decode rows ride in the prompts' steps: take
+``--steps`` well above the prompts' steps, ``batch * context / 16384``.) vLLM runs its engine in
+this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the profiler sees its kernels; random
+weights for both (``load_format="dummy"``). On CPU (a dry run with nanovllm) the table lists
+operators instead.
 """
 
 import argparse
