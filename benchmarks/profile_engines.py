@@ -2,7 +2,7 @@
 ``generate`` alone, so that both engines are profiled the same way.
 
     PYTHONPATH=. python3 benchmarks/profile_engines.py --engine nanovllm|vllm [--shape qwen3-30b-a3b]
-        [--quantization fp8] [--batch 256] [--context 600] [--steps 20]
+        [--quantization fp8] [--batch 256] [--context 600] [--steps 50]
 
 Two profiled generates of ``--batch`` fresh random prompts of ``--context`` tokens: one token each
 (the prompts' work), then ``--steps`` + 1 tokens each (the same prompt work and ``--steps`` decode
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--quantization", choices=("fp8",), default=None, help="FP8 weights")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=600, help="prompt tokens of each request")
-    parser.add_argument("--steps", type=int, default=20, help="decode steps timed")
+    parser.add_argument("--steps", type=int, default=50, help="decode steps timed")
     parser.add_argument("--rows", type=int, default=25, help="kernels listed")
     args = parser.parse_args()
     path = tempfile.mkdtemp(prefix="profile-engines-")
