@@ -33,13 +33,10 @@ _HIGHEST = -8  # torch clamps a stream priority to the device's range
 
 def rows_of(meta: AttentionMetadata, start: int, end: int) -> AttentionMetadata:
     """Rows ``start:end`` of a decode batch's metadata as a batch of their own, without a row
-    order (the whole batch's names rows outside them)."""
-    sliced = {
-        f.name: value[start:end]
-        for f in fields(meta)
-        if isinstance(value := getattr(meta, f.name), torch.Tensor)
-        and value.shape[0] == meta.context_lens.shape[0]
-    }
+    order (the whole batch's names rows outside them). Every tensor field of a decode batch holds
+    one row per sequence, as :meth:`AttentionMetadata.first_rows` cuts them too."""
+    tensors = [f.name for f in fields(meta) if isinstance(getattr(meta, f.name), torch.Tensor)]
+    sliced = {name: getattr(meta, name)[start:end] for name in tensors}
     return replace(meta, **(sliced | {"decode_order": None}))
 
 
