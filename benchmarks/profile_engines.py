@@ -2,18 +2,19 @@
 ``generate`` alone, so that both engines are profiled the same way.
 
     PYTHONPATH=. python3 benchmarks/profile_engines.py --engine nanovllm|vllm [--shape qwen3-30b-a3b]
-        [--quantization fp8] [--batch 256] [--context 600] [--steps 50]
+        [--quantization fp8] [--batch 256 [64 ...]] [--context 600] [--steps 50]
 
-Two profiled generates of ``--batch`` fresh random prompts of ``--context`` tokens: one token each
-(the prompts' work), then ``--steps`` + 1 tokens each (the same prompt work and ``--steps`` decode
-steps of ``--batch`` rows). Each kernel's GPU time in the second less the first, over ``--steps``,
-is its share of one decode step; the wall times' difference over ``--steps`` is the step's wall
-time. (Both engines give a request its first token with its prompt and start decoding it while
-later prompts are still read, so a few of the decode rows ride in the prompts' steps: take
-``--steps`` well above the prompts' steps, ``batch * context / 16384``.) vLLM runs its engine in
-this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the profiler sees its kernels; random
-weights for both (``load_format="dummy"``). On CPU (a dry run with nanovllm) the table lists
-operators instead.
+For each ``--batch`` (one engine serves them all), two profiled generates of that many fresh
+random prompts of ``--context`` tokens: one token each (the prompts' work), then ``--steps`` + 1
+tokens each (the same prompt work and ``--steps`` decode steps of that many rows). Each
+kernel's GPU time in the second less the first, over ``--steps``, is its share of one decode
+step; the wall times' difference over ``--steps`` is the step's wall time. (Both engines give a
+request its first token with its prompt and start decoding it while later prompts are still
+read, so a few of the decode rows ride in the prompts' steps: take ``--steps`` well above the
+prompts' steps, ``batch * context / 16384``.) vLLM runs its engine in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the profiler sees its kernels; random weights for
+both (``load_format="dummy"``). On CPU (a dry run with nanovllm) the table lists operators
+instead.
 """
 
 import argparse
@@ -37,7 +38,7 @@ def make_engine(args, path: str):
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(path, skip_tokenizer_init=True, max_num_seqs=max(256, args.batch), **common)
+        llm = LLM(path, skip_tokenizer_init=True, max_num_seqs=max(256, *args.batch), **common)
 
         def generate(prompts, max_tokens):
             params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
@@ -46,13 +47,13 @@ def make_engine(args, path: str):
     else:
         from nanovllm import LLM, SamplingParams
 
-        llm = LLM(path, max_num_seqs=max(256, args.batch), **common)
+        llm = LLM(path, max_num_seqs=max(256, *args.batch), **common)
 
         def generate(prompts, max_tokens):
             params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
             llm.generate(prompts, params, use_tqdm=False)
 
-    generate([[1, 2, 3, 4]] * min(args.batch, 8), 8)
+    generate([[1, 2, 3, 4]] * 8, 8)
     return generate
 
 
@@ -82,7 +83,7 @@ def main() -> None:
     parser.add_argument("--engine", choices=("nanovllm", "vllm"), default="nanovllm")
     parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     parser.add_argument("--quantization", choices=("fp8",), default=None, help="FP8 weights")
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", type=int, nargs="+", default=[256], help="decode rows, one table each")
     parser.add_argument("--context", type=int, default=600, help="prompt tokens of each request")
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed")
     parser.add_argument("--rows", type=int, default=25, help="kernels listed")
@@ -91,27 +92,28 @@ def main() -> None:
     write_config(path, args.shape)
     generate = make_engine(args, path)
     rng = random.Random(0)
-
-    def fresh_prompts() -> list[list[int]]:  # random ids: no prefix-cache hits
-        return [[rng.randrange(10000) for _ in range(args.context)] for _ in range(args.batch)]
-
-    prompt_wall, prompt_kernels = profiled(generate, fresh_prompts(), 1)
-    wall, kernels = profiled(generate, fresh_prompts(), args.steps + 1)
-    per_step = {}
-    for name, (us, n) in kernels.items():
-        prompt_us, prompt_n = prompt_kernels.get(name, (0.0, 0))
-        per_step[name] = ((us - prompt_us) / args.steps, (n - prompt_n) / args.steps)
-    busy_ms = sum(us for us, _ in per_step.values()) / 1e3
-    step_ms = (wall - prompt_wall) / args.steps * 1e3
-    quantized = f", {args.quantization} weights" if args.quantization else ""
-    print(
-        f"{args.engine}, {args.shape}{quantized}: {args.batch} rows, context ~{args.context}: "
-        f"{step_ms:.3f} ms a decode step (wall), {busy_ms:.3f} ms busy "
-        f"(the prompt-only generate {prompt_wall:.2f} s)"
-    )
-    print(f"{'us a step':>10} {'launches':>9}  kernel")
-    for name, (us, n) in sorted(per_step.items(), key=lambda item: -item[1][0])[: args.rows]:
-        print(f"{us:10.1f} {n:9.1f}  {name[:110]}")
+    for batch in args.batch:
+        prompts = [
+            [[rng.randrange(10000) for _ in range(args.context)] for _ in range(batch)] for _ in range(2)
+        ]
+        prompt_wall, prompt_kernels = profiled(generate, prompts[0], 1)  # random ids: no prefix hits
+        wall, kernels = profiled(generate, prompts[1], args.steps + 1)
+        per_step = {}
+        for name, (us, n) in kernels.items():
+            prompt_us, prompt_n = prompt_kernels.get(name, (0.0, 0))
+            per_step[name] = ((us - prompt_us) / args.steps, (n - prompt_n) / args.steps)
+        busy_ms = sum(us for us, _ in per_step.values()) / 1e3
+        step_ms = (wall - prompt_wall) / args.steps * 1e3
+        quantized = f", {args.quantization} weights" if args.quantization else ""
+        print(
+            f"{args.engine}, {args.shape}{quantized}: {batch} rows, context ~{args.context}: "
+            f"{step_ms:.3f} ms a decode step (wall), {busy_ms:.3f} ms busy "
+            f"(the prompt-only generate {prompt_wall:.2f} s)"
+        )
+        print(f"{'us a step':>10} {'launches':>9}  kernel")
+        for name, (us, n) in sorted(per_step.items(), key=lambda item: -item[1][0])[: args.rows]:
+            print(f"{us:10.1f} {n:9.1f}  {name[:110]}")
+        print(flush=True)
     os._exit(0)  # vLLM's shutdown can hang; everything is printed
 
 
