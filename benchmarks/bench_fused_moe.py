@@ -12,6 +12,9 @@ kernels run as a CUDA-graph replay (as decode steps run them: GPU time, no launc
 for e4m3 experts). ``--sweep`` times every candidate tile at each token count, and for e4m3 experts
 with per-row scales the default tiles with each K step summed apart (``FAST_ACCUM=False``); a tile
 whose output differs from the default tiles' beyond the GEMMs' rounding is reported and skipped.
+``--vllm`` times vLLM's Triton ``fused_experts`` beside ours on the same routing and weights, as
+vLLM runs ``quantization="fp8"`` experts (e4m3 with one scale per expert, activations rounded to
+e4m3 per tensor on the fly) or bf16 ones: vLLM installed, its own tiles, also a graph replay.
 """
 
 import argparse
@@ -29,10 +32,14 @@ DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
 
-def make_experts(kind: str) -> dict:
-    """The experts' ``fused_moe`` arguments: ``w13``, ``w2`` and, for e4m3, their scales."""
+def bf16_experts() -> tuple[torch.Tensor, torch.Tensor]:
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, dtype=DTYPE, device=DEVICE) / HIDDEN**0.5
     w2 = torch.randn(EXPERTS, HIDDEN, INTER, dtype=DTYPE, device=DEVICE) / INTER**0.5
+    return w13, w2
+
+
+def make_experts(kind: str, w13: torch.Tensor, w2: torch.Tensor) -> dict:
+    """The experts' ``fused_moe`` arguments: ``w13``, ``w2`` and, for e4m3, their scales."""
     if kind == "bf16":
         return dict(w13=w13, w2=w2)
     if kind == "fp8-row":
@@ -55,10 +62,35 @@ def rates(tokens: int, ids: torch.Tensor, experts: dict, ms: float) -> str:
     return f"{ms * 1e3:>9.1f} us {flops / ms / 1e9:>7.2f} TFLOP/s {weight_bytes / ms / 1e6:>7.0f} GB/s"
 
 
-def bench(tokens: int, rep_ms: int, experts: dict, loop: bool) -> None:
+def vllm_experts(kind: str, w13: torch.Tensor, w2: torch.Tensor):
+    """``run(x, weights, ids)``: vLLM's Triton experts on these weights, as its ``quantization="fp8"``
+    holds them (e4m3, one scale per expert) unless ``kind`` is bf16."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts_impl
+
+    if kind == "bf16":
+        return lambda x, weights, ids: fused_experts_impl(x, w13, w2, weights, ids)
+    quantized = []
+    for w in (w13, w2):
+        scale = w.abs().float().amax(dim=(1, 2)) / torch.finfo(torch.float8_e4m3fn).max
+        quantized += [(w.float() / scale[:, None, None]).to(torch.float8_e4m3fn), scale]
+    q13, s13, q2, s2 = quantized
+    return lambda x, weights, ids: fused_experts_impl(
+        x, q13, q2, weights, ids, use_fp8_w8a8=True, w1_scale=s13, w2_scale=s2
+    )
+
+
+def bench(tokens: int, rep_ms: int, experts: dict, loop: bool, vllm=None) -> None:
     x, weights, ids = routing(tokens)
     fused = capture(lambda: fused_moe(x, topk_weights=weights, topk_ids=ids, **experts)).replay
     row = [f"{tokens:>6}", rates(tokens, ids, experts, do_bench(fused, rep=rep_ms, return_mode="median"))]
+    if vllm is not None:
+        ours = fused_moe(x, topk_weights=weights, topk_ids=ids, **experts).float()
+        err = (vllm(x, weights, ids).float() - ours).abs().max().item() / ours.abs().max().item()
+        theirs = capture(lambda: vllm(x, weights, ids)).replay
+        row += [
+            "vLLM " + rates(tokens, ids, experts, do_bench(theirs, rep=rep_ms, return_mode="median")),
+            f"max |diff| / max |ours| {err:.2e}",
+        ]
     if loop:
         got = fused_moe(x, topk_weights=weights, topk_ids=ids, **experts)
         ref = lambda: fused_moe_ref(x, topk_weights=weights, topk_ids=ids, **experts)  # noqa: E731
@@ -116,15 +148,18 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every candidate tile per token count")
     parser.add_argument("--loop", action="store_true", help="also time the per-expert torch reference")
     parser.add_argument("--rep-ms", type=int, default=200)
+    parser.add_argument("--vllm", action="store_true", help="also time vLLM's Triton experts")
     args = parser.parse_args()
     torch.manual_seed(0)
-    experts = make_experts(args.experts)
+    w13, w2 = bf16_experts()
+    experts = make_experts(args.experts, w13, w2)
+    vllm = vllm_experts(args.experts, w13, w2) if args.vllm else None
     print(f"{args.experts} experts, {EXPERTS} x ({HIDDEN} -> {INTER}), top-{TOP_K}", flush=True)
     for tokens in args.tokens:
         if args.sweep:
             sweep(tokens, args.rep_ms, args.experts, experts)
         else:
-            bench(tokens, args.rep_ms, experts, args.loop)
+            bench(tokens, args.rep_ms, experts, args.loop, vllm)
 
 
 if __name__ == "__main__":
