@@ -11,7 +11,8 @@ call. A graph's own launch cost is then spread over its layers, as in the engine
 
 ``--floor`` adds, per case, torch's ``sum`` over a buffer of the same K/V bytes timed the same
 way: one well-tuned read-only launch per layer, the floor a small batch's attention (which
-must also combine its splits) can approach.
+must also combine its splits) can approach. ``--vllm`` adds vLLM's FlashAttention 3 on the same
+16-bit caches, queries and block tables (vLLM installed; its own split heuristics), timed alike.
 """
 
 import argparse
@@ -48,7 +49,8 @@ def bench_decode(
     layers: int,
     heads: tuple[int, int],
     num_splits: int | None = None,
-) -> tuple[float, int]:
+    vllm: bool = False,
+) -> tuple[float, int, float | None]:
     """Median microseconds of one layer's decode attention with every sequence at ``context``
     tokens and ``heads`` (query, KV) heads, over ``layers`` layers of one graph, and its splits
     (``num_splits``, default the engine's own)."""
@@ -73,7 +75,17 @@ def bench_decode(
         partial(paged_decode_attention, q, k, v, tables, ctx, HEAD_DIM**-0.5, num_splits, layout=layout)
         for k, v in caches
     ]
-    return graph_us(calls, rep_ms), num_splits
+    theirs = None
+    if vllm:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        fa3 = partial(
+            flash_attn_varlen_func, q, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=context,
+            seqused_k=ctx, softmax_scale=HEAD_DIM**-0.5, causal=True, block_table=tables, fa_version=3,
+        )  # fmt: skip
+        theirs = graph_us([partial(fa3, k=k, v=v) for k, v in caches], rep_ms)
+    return graph_us(calls, rep_ms), num_splits, theirs
 
 
 def read_floor_us(num_bytes: int, rep_ms: int, layers: int) -> float:
@@ -92,6 +104,9 @@ def main() -> None:
     parser.add_argument("--heads", default="16/8", help="query/KV heads (Qwen3-8B: 32/8, 30B-A3B: 32/4)")
     parser.add_argument("--contexts", default=None, help="comma-separated (default 512,2048,8192,32768)")
     parser.add_argument("--splits", default="0", help="comma-separated split counts; 0: the engine's own")
+    parser.add_argument(
+        "--vllm", action="store_true", help="also time vLLM's FlashAttention 3 (16-bit caches)"
+    )
     args = parser.parse_args()
     num_heads, num_kv_heads = heads = tuple(map(int, args.heads.split("/")))
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
@@ -111,7 +126,9 @@ def main() -> None:
     copy_gbs = copy_bandwidth(4 * 2**30, rep_ms)
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
     print(f"{num_heads}/{num_kv_heads} heads")
+    vllm = args.vllm and cache_dtype == DTYPE
     floor_head = f" {'sum us':>7} {'% copy':>6}" if args.floor else ""
+    floor_head += f" {'FA3 us':>7} {'% copy':>6}" if vllm else ""
     print(
         f"{'batch':>5} {'context':>7} {'block':>5} {'splits':>6} {'time us':>9} {'GB/s':>7} {'% copy':>6}"
         + floor_head
@@ -123,12 +140,16 @@ def main() -> None:
         if kv_bytes > MAX_CACHE_BYTES:
             continue
         layers = max(1, min(args.layers, int(MAX_CACHE_BYTES // kv_bytes)))
-        us, splits = bench_decode(batch, context, block_size, rep_ms, cache_dtype, layers, heads, num_splits)
+        us, splits, fa3_us = bench_decode(
+            batch, context, block_size, rep_ms, cache_dtype, layers, heads, num_splits, vllm
+        )
         gbs = kv_bytes / us / 1e3
         floor = ""
         if args.floor:
             floor_us = read_floor_us(kv_bytes, rep_ms, layers)
             floor = f" {floor_us:>7.1f} {100 * kv_bytes / floor_us / 1e3 / copy_gbs:>5.0f}%"
+        if fa3_us is not None:
+            floor += f" {fa3_us:>7.1f} {100 * kv_bytes / fa3_us / 1e3 / copy_gbs:>5.0f}%"
         print(
             f"{batch:>5} {context:>7} {block_size:>5} {splits:>6} {us:>9.1f} "
             f"{gbs:>7.0f} {100 * gbs / copy_gbs:>5.0f}%" + floor
