@@ -30,7 +30,7 @@ from nanovllm.demo_models import SHAPES, write_config
 
 
 def make_engine(args, path: str):
-    """``generate(prompts, max_tokens) -> None`` of the chosen engine, warmed up."""
+    """``generate(prompts, max_tokens) -> completions' token ids`` of the chosen engine, warmed up."""
     max_model_len = args.context + args.steps + 64
     common = dict(load_format="dummy", max_model_len=max_model_len, quantization=args.quantization)
     if args.engine == "vllm":
@@ -42,7 +42,10 @@ def make_engine(args, path: str):
 
         def generate(prompts, max_tokens):
             params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
-            llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            outputs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+            )
+            return [list(o.outputs[0].token_ids) for o in outputs]
 
     else:
         from nanovllm import LLM, SamplingParams
@@ -51,29 +54,33 @@ def make_engine(args, path: str):
 
         def generate(prompts, max_tokens):
             params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
-            llm.generate(prompts, params, use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
     generate([[1, 2, 3, 4]] * 8, 8)
     return generate
 
 
-def profiled(generate, prompts, max_tokens: int) -> tuple[float, dict[str, tuple[float, int]]]:
-    """Wall seconds of one generate, and each kernel's (or, on CPU, operator's) total µs and
-    count."""
+def profiled(generate, prompts, max_tokens: int) -> tuple[float, dict[str, tuple[float, int]], list]:
+    """Wall seconds of one generate, each kernel's (or, on CPU, operator's) total µs and count,
+    and the completions' token ids."""
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        generate(prompts, max_tokens)
+        completions = generate(prompts, max_tokens)
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
     kind = "CUDA" if cuda else "CPU"
-    return wall, {
-        e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total, e.count)
-        for e in prof.key_averages()
-        if e.device_type.name == kind
-    }
+    return (
+        wall,
+        {
+            e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total, e.count)
+            for e in prof.key_averages()
+            if e.device_type.name == kind
+        },
+        completions,
+    )
 
 
 def main() -> None:
@@ -96,8 +103,8 @@ def main() -> None:
         prompts = [
             [[rng.randrange(10000) for _ in range(args.context)] for _ in range(batch)] for _ in range(2)
         ]
-        prompt_wall, prompt_kernels = profiled(generate, prompts[0], 1)  # random ids: no prefix hits
-        wall, kernels = profiled(generate, prompts[1], args.steps + 1)
+        prompt_wall, prompt_kernels, _ = profiled(generate, prompts[0], 1)  # random ids: no prefix hits
+        wall, kernels, completions = profiled(generate, prompts[1], args.steps + 1)
         per_step = {}
         for name, (us, n) in kernels.items():
             prompt_us, prompt_n = prompt_kernels.get(name, (0.0, 0))
@@ -110,6 +117,10 @@ def main() -> None:
             f"{step_ms:.3f} ms a decode step (wall), {busy_ms:.3f} ms busy "
             f"(the prompt-only generate {prompt_wall:.2f} s)"
         )
+        # the decode rows' inputs: with random weights, how alike the sampled tokens are sets how
+        # many experts a step's rows route to
+        distinct = [len({c[i] for c in completions}) for i in range(1, args.steps + 1)]
+        print(f"distinct sampled tokens a step: mean {sum(distinct) / len(distinct):.1f} of {batch}")
         print(f"{'us a step':>10} {'launches':>9}  kernel")
         for name, (us, n) in sorted(per_step.items(), key=lambda item: -item[1][0])[: args.rows]:
             print(f"{us:10.1f} {n:9.1f}  {name[:110]}")
