@@ -14,6 +14,11 @@ warm-up generate, then timed runs; throughput = output tokens / wall time (for n
 vLLM the tokens the completions hold, which is ``sum(max_tokens)`` when EOS is ignored; for hf
 ``sum(max_tokens)``).
 
+Random weights (a shape's config without a checkpoint) are drawn by nanovllm's recipe in both
+engines: vLLM loads with ``load_format="dummy"`` and its weights are then refilled
+(``benchmarks.engines.refill_like_nanovllm``), since its own draw leaves a mixture of experts'
+router near-equal logits and its steps then read far fewer experts than a real model's.
+
 The headline is run 1: the table's time and throughput (and the ratios) are run 1's, the first
 timed run after the warm-up; the later runs' throughputs follow in their own column, and each
 ``--json`` row starts with ``run1_time_s`` and ``run1_output_tok_s`` before the list of times.

@@ -12,9 +12,10 @@ step; the wall times' difference over ``--steps`` is the step's wall time. (Both
 request its first token with its prompt and start decoding it while later prompts are still
 read, so a few of the decode rows ride in the prompts' steps: take ``--steps`` well above the
 prompts' steps, ``batch * context / 16384``.) vLLM runs its engine in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the profiler sees its kernels; random weights for
-both (``load_format="dummy"``). On CPU (a dry run with nanovllm) the table lists operators
-instead.
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the profiler sees its kernels. Random weights for
+both (``load_format="dummy"``), vLLM's refilled with nanovllm's recipe unless ``--vllm-weights``
+(:func:`benchmarks.engines.refill_like_nanovllm`). On CPU (a dry run with nanovllm) the table
+lists operators instead.
 """
 
 import argparse
@@ -26,6 +27,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.engines import refill_like_nanovllm
 from nanovllm.demo_models import SHAPES, write_config
 
 
@@ -39,6 +41,8 @@ def make_engine(args, path: str):
         from vllm.inputs import TokensPrompt
 
         llm = LLM(path, skip_tokenizer_init=True, max_num_seqs=max(256, *args.batch), **common)
+        if not args.vllm_weights:
+            llm.apply_model(refill_like_nanovllm)
 
         def generate(prompts, max_tokens):
             params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
@@ -94,6 +98,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=600, help="prompt tokens of each request")
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed")
     parser.add_argument("--rows", type=int, default=25, help="kernels listed")
+    parser.add_argument(
+        "--vllm-weights", action="store_true", help="keep vLLM's own random weights (not nanovllm's recipe)"
+    )
     args = parser.parse_args()
     path = tempfile.mkdtemp(prefix="profile-engines-")
     write_config(path, args.shape)
