@@ -19,6 +19,7 @@ e4m3 per tensor on the fly) or bf16 ones: vLLM installed, its own tiles, also a 
 
 import argparse
 import itertools
+import json
 
 import torch
 from triton.testing import do_bench
@@ -79,9 +80,9 @@ def vllm_experts(kind: str, w13: torch.Tensor, w2: torch.Tensor):
     )
 
 
-def bench(tokens: int, rep_ms: int, experts: dict, loop: bool, vllm=None) -> None:
+def bench(tokens: int, rep_ms: int, experts: dict, loop: bool, vllm=None, config: dict | None = None) -> None:
     x, weights, ids = routing(tokens)
-    fused = capture(lambda: fused_moe(x, topk_weights=weights, topk_ids=ids, **experts)).replay
+    fused = capture(lambda: fused_moe(x, topk_weights=weights, topk_ids=ids, config=config, **experts)).replay
     row = [f"{tokens:>6}", rates(tokens, ids, experts, do_bench(fused, rep=rep_ms, return_mode="median"))]
     if vllm is not None:
         ours = fused_moe(x, topk_weights=weights, topk_ids=ids, **experts).float()
@@ -149,6 +150,7 @@ def main() -> None:
     parser.add_argument("--loop", action="store_true", help="also time the per-expert torch reference")
     parser.add_argument("--rep-ms", type=int, default=200)
     parser.add_argument("--vllm", action="store_true", help="also time vLLM's Triton experts")
+    parser.add_argument("--config", type=json.loads, default=None, help="tiles over the defaults, as JSON")
     args = parser.parse_args()
     torch.manual_seed(0)
     w13, w2 = bf16_experts()
@@ -159,7 +161,7 @@ def main() -> None:
         if args.sweep:
             sweep(tokens, args.rep_ms, args.experts, experts)
         else:
-            bench(tokens, args.rep_ms, experts, args.loop, vllm)
+            bench(tokens, args.rep_ms, experts, args.loop, vllm, args.config)
 
 
 if __name__ == "__main__":
