@@ -311,9 +311,8 @@ def fused_moe(
     """Triton version of :func:`fused_moe_ref` (same arguments and semantics), without host syncs;
     ``topk_ids`` must lie in ``[0, experts)`` (unchecked: checking would sync with the host).
     ``config`` overrides the tiles: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` (powers of two >= 16;
-    ``BLOCK_K`` >= 32 for e4m3 weights), ``num_warps``, ``num_stages``, ``maxnreg`` (registers a
-    thread may use; default ptxas's choice), and ``FAST_ACCUM`` (e4m3 experts with per-row
-    scales: sums kept in the tensor cores' accumulator; default on). With
+    ``BLOCK_K`` >= 32 for e4m3 weights), ``num_warps``, ``num_stages``, and ``FAST_ACCUM`` (e4m3
+    experts with per-row scales: sums kept in the tensor cores' accumulator; default on). With
     e4m3 weights each GEMM's input is quantized by
     :func:`~nanovllm.kernels.fp8.quantize_per_token_group` first, and on CUDA it needs float8
     tensor cores (compute capability 8.9+)."""
@@ -343,7 +342,6 @@ def fused_moe(
         FAST_ACCUM=fp8 and not grouped and bool(cfg.get("FAST_ACCUM", True)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         **tiles,
     )
     sorted_ids, expert_of_block, num_padded = moe_align(topk_ids, num_experts, tiles["BLOCK_M"])
