@@ -82,3 +82,29 @@ def test_hf_refuses_latency():
         [sys.executable, BENCH, "--engine", "hf", "--latency"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2 and "--latency: the hf engine" in done.stderr
+
+
+def test_vllm_refill_draws_like_nanovllm():
+    """A model named as vLLM names its FP8 MoE parameters gets nanovllm's random recipe: norms and
+    scales at 1 (vLLM's dequantization multipliers), every other tensor uniform in +-0.05, float8
+    ones included, nothing left at its old values."""
+    import torch
+    from torch import nn
+
+    from benchmarks.engines import refill_like_nanovllm
+
+    def param(*shape, dtype=torch.bfloat16, value=1e-3):
+        return nn.Parameter(torch.full(shape, value).to(dtype), requires_grad=False)
+
+    model = nn.Module()
+    model.w13_weight = param(4, 32, 64, dtype=torch.float8_e4m3fn)
+    model.w13_weight_scale = param(4, dtype=torch.float32, value=2e-6)
+    model.input_layernorm_weight = param(64, value=-1e-3)
+    model.gate_weight = param(4, 64)
+    refill_like_nanovllm(model)
+    for name in ("w13_weight_scale", "input_layernorm_weight"):
+        assert torch.equal(getattr(model, name).float(), torch.ones_like(getattr(model, name).float()))
+    for name in ("w13_weight", "gate_weight"):
+        values = getattr(model, name).float()
+        assert values.abs().max() <= 0.0508  # 0.05 rounded up to e4m3 / bf16
+        assert values.std() > 0.02 and (values < 0).any() and (values > 0).any()
