@@ -127,11 +127,11 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s (read + write)")
     print(f"{num_heads}/{num_kv_heads} heads")
     vllm = args.vllm and cache_dtype == DTYPE
-    floor_head = f" {'sum us':>7} {'% copy':>6}" if args.floor else ""
-    floor_head += f" {'FA3 us':>7} {'% copy':>6}" if vllm else ""
+    extra_head = f" {'sum us':>7} {'% copy':>6}" if args.floor else ""
+    extra_head += f" {'FA3 us':>7} {'% copy':>6}" if vllm else ""
     print(
         f"{'batch':>5} {'context':>7} {'block':>5} {'splits':>6} {'time us':>9} {'GB/s':>7} {'% copy':>6}"
-        + floor_head
+        + extra_head
     )
     for block_size, batch, context, num_splits in itertools.product(
         block_sizes, batches, contexts, split_counts
@@ -144,15 +144,15 @@ def main() -> None:
             batch, context, block_size, rep_ms, cache_dtype, layers, heads, num_splits, vllm
         )
         gbs = kv_bytes / us / 1e3
-        floor = ""
+        extra = ""  # the optional columns: the read floor, vLLM's FA3
         if args.floor:
             floor_us = read_floor_us(kv_bytes, rep_ms, layers)
-            floor = f" {floor_us:>7.1f} {100 * kv_bytes / floor_us / 1e3 / copy_gbs:>5.0f}%"
+            extra = f" {floor_us:>7.1f} {100 * kv_bytes / floor_us / 1e3 / copy_gbs:>5.0f}%"
         if fa3_us is not None:
-            floor += f" {fa3_us:>7.1f} {100 * kv_bytes / fa3_us / 1e3 / copy_gbs:>5.0f}%"
+            extra += f" {fa3_us:>7.1f} {100 * kv_bytes / fa3_us / 1e3 / copy_gbs:>5.0f}%"
         print(
             f"{batch:>5} {context:>7} {block_size:>5} {splits:>6} {us:>9.1f} "
-            f"{gbs:>7.0f} {100 * gbs / copy_gbs:>5.0f}%" + floor
+            f"{gbs:>7.0f} {100 * gbs / copy_gbs:>5.0f}%" + extra
         )
         torch.cuda.empty_cache()
 

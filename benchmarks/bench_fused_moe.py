@@ -63,6 +63,12 @@ def rates(tokens: int, ids: torch.Tensor, experts: dict, ms: float) -> str:
     return f"{ms * 1e3:>9.1f} us {flops / ms / 1e9:>7.2f} TFLOP/s {weight_bytes / ms / 1e6:>7.0f} GB/s"
 
 
+def per_expert_e4m3(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``[experts, rows, cols]`` in e4m3 with one scale per expert (vLLM's online FP8)."""
+    scale = w.abs().float().amax(dim=(1, 2)) / torch.finfo(torch.float8_e4m3fn).max
+    return (w.float() / scale[:, None, None]).to(torch.float8_e4m3fn), scale
+
+
 def vllm_experts(kind: str, w13: torch.Tensor, w2: torch.Tensor):
     """``run(x, weights, ids)``: vLLM's Triton experts on these weights, as its ``quantization="fp8"``
     holds them (e4m3, one scale per expert) unless ``kind`` is bf16."""
@@ -70,11 +76,7 @@ def vllm_experts(kind: str, w13: torch.Tensor, w2: torch.Tensor):
 
     if kind == "bf16":
         return lambda x, weights, ids: fused_experts_impl(x, w13, w2, weights, ids)
-    quantized = []
-    for w in (w13, w2):
-        scale = w.abs().float().amax(dim=(1, 2)) / torch.finfo(torch.float8_e4m3fn).max
-        quantized += [(w.float() / scale[:, None, None]).to(torch.float8_e4m3fn), scale]
-    q13, s13, q2, s2 = quantized
+    (q13, s13), (q2, s2) = per_expert_e4m3(w13), per_expert_e4m3(w2)
     return lambda x, weights, ids: fused_experts_impl(
         x, q13, q2, weights, ids, use_fp8_w8a8=True, w1_scale=s13, w2_scale=s2
     )
