@@ -15,17 +15,21 @@ whose output differs from the default tiles' beyond the GEMMs' rounding is repor
 ``--vllm`` times vLLM's Triton ``fused_experts`` beside ours on the same routing and weights, as
 vLLM runs ``quantization="fp8"`` experts (e4m3 with one scale per expert, activations rounded to
 e4m3 per tensor on the fly) or bf16 ones: vLLM installed, its own tiles, also a graph replay.
+``--align`` times the routing's grouping by expert alone (``moe_align``, 48 calls a graph, as a
+decode step of the 48 layers runs it): the one-program kernel against the three launches.
 """
 
 import argparse
+import functools
 import itertools
 import json
 
 import torch
 from triton.testing import do_bench
 
-from benchmarks.cuda_graphs import capture
+from benchmarks.cuda_graphs import capture, graph_us
 from nanovllm.kernels.fused_moe import fused_moe, fused_moe_config, fused_moe_ref
+from nanovllm.kernels.moe_align import moe_align
 from nanovllm.layers.fused_moe import quantize_blocks, quantize_rows
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -105,6 +109,17 @@ def bench(tokens: int, rep_ms: int, experts: dict, loop: bool, vllm=None, config
     print(" | ".join(row), flush=True)
 
 
+def bench_align(tokens: int, rep_ms: int, kind: str) -> None:
+    _, _, ids = routing(tokens)
+    dtype = DTYPE if kind == "bf16" else torch.float8_e4m3fn
+    block_m = fused_moe_config(tokens * TOP_K, EXPERTS, dtype)["BLOCK_M"]
+    one, three = (
+        graph_us([functools.partial(moe_align, ids, EXPERTS, block_m, one_program=form)] * 48, rep_ms)
+        for form in (True, False)
+    )
+    print(f"{tokens:>6} | BLOCK_M {block_m:>3} | one program {one:6.2f} us | three launches {three:6.2f} us")
+
+
 def candidates(kind: str, per_expert: float) -> list[dict]:
     """The sweep's tiles: ``BLOCK_M`` around the pairs an expert gets, wider K steps for e4m3."""
     block_ms = [16, 32] if per_expert <= 48 else [64, 128]
@@ -153,8 +168,13 @@ def main() -> None:
     parser.add_argument("--rep-ms", type=int, default=200)
     parser.add_argument("--vllm", action="store_true", help="also time vLLM's Triton experts")
     parser.add_argument("--config", type=json.loads, default=None, help="tiles over the defaults, as JSON")
+    parser.add_argument("--align", action="store_true", help="time the grouping by expert alone, both forms")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.align:
+        for tokens in args.tokens:
+            bench_align(tokens, args.rep_ms, args.experts)
+        return
     w13, w2 = bf16_experts()
     experts = make_experts(args.experts, w13, w2)
     vllm = vllm_experts(args.experts, w13, w2) if args.vllm else None

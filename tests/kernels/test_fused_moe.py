@@ -130,14 +130,17 @@ def test_moe_align(align, tokens, top_k, experts, block_m):
 
 @pytest.mark.parametrize(
     "tokens, top_k, experts, block_m",
-    [(300, 8, 128, 16), (1000, 8, 128, 64), (40, 3, 512, 32), (9, 2, 6, 16)],
+    [(300, 8, 128, 16), (1000, 8, 128, 64), (40, 3, 512, 32), (9, 2, 6, 16), (64, 8, 128, 16)],
 )
-def test_moe_align_kernel_equals_reference(tokens, top_k, experts, block_m):
-    """Many chunks of pairs, experts not a power of two, more experts than pairs."""
+@pytest.mark.parametrize("one_program", [True, False])
+def test_moe_align_kernel_equals_reference(tokens, top_k, experts, block_m, one_program):
+    """Many chunks of pairs, experts not a power of two, more experts than pairs; both the one
+    program and the three launches, whatever the size."""
     gen = torch.Generator().manual_seed(tokens)
     ids = torch.randint(0, experts, (tokens, top_k), generator=gen).to(DEVICE)
-    for got, want in zip(moe_align(ids, experts, block_m), moe_align_ref(ids, experts, block_m), strict=True):
-        assert torch.equal(got, want)
+    got = moe_align(ids, experts, block_m, one_program=one_program)
+    for got_part, want in zip(got, moe_align_ref(ids, experts, block_m), strict=True):
+        assert torch.equal(got_part, want)
 
 
 def test_bad_inputs_are_refused():
