@@ -3,7 +3,13 @@ the weights: one 16-row tile of rows, each program streaming ``BLOCK_N`` of the 
 over all of K. The weight is read once, in one launch, with no split-K reduce after it (cuBLAS
 cuts K for the 8B's o and down projections at these sizes and adds a reduce kernel each); the
 sum over K runs in one order whatever the batch holds. Worth it only where the weight's rows
-give every SM a program (:func:`small_batch_gemm_pays`); cuBLAS elsewhere."""
+give every SM a program (:func:`small_batch_gemm_pays`); cuBLAS elsewhere.
+
+The engine takes it only with ``NANOVLLM_SMALL_BATCH_GEMM=1`` in the environment: on an H100 it
+shortened the 8B's batch-1 step by 2.2%, on an H200 it lengthened it by 11% (its 16 KB a stage do
+not keep the faster memory busy; ``benchmarks/MEASUREMENTS.md``)."""
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +25,7 @@ _BLOCK_K = 512  # features per step: 16 KB of a bf16 weight in flight per stage
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ENABLED = os.environ.get("NANOVLLM_SMALL_BATCH_GEMM", "0") == "1"
 
 
 def small_batch_gemm_ref(
@@ -31,10 +38,11 @@ def small_batch_gemm_ref(
 
 def small_batch_gemm_pays(x: torch.Tensor, out_features: int) -> bool:
     """Whether :func:`small_batch_gemm` should take ``x`` (``[rows, in]``) times a weight of
-    ``out_features`` rows: 1-16 rows of a 16-bit dtype on a CUDA device, and a program for
-    every SM without cutting K."""
+    ``out_features`` rows: when enabled (``ENABLED``), 1-16 rows of a 16-bit dtype on a CUDA
+    device, and a program for every SM without cutting K."""
     return (
-        x.is_cuda
+        ENABLED
+        and x.is_cuda
         and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float16)

@@ -197,7 +197,8 @@ def test_interrupted_generate_then_correct_with_graphs_and_async(
 
 def test_small_batch_gemm_logits_close_to_hf(tmp_path, monkeypatch):
     # wide enough that every projection has a program for each SM: a prompt of 12 tokens, like a
-    # decode batch of 12 rows, takes the small-batch kernel instead of cuBLAS
+    # decode batch of 12 rows, takes the small-batch kernel (enabled here) instead of cuBLAS
+    import nanovllm.kernels.small_batch_gemm as small_batch_gemm_module
     import nanovllm.layers.activation as activation
     import nanovllm.layers.embed_head as embed_head
     import nanovllm.layers.linear as linear
@@ -206,6 +207,7 @@ def test_small_batch_gemm_logits_close_to_hf(tmp_path, monkeypatch):
         str(tmp_path), hidden_size=2304, intermediate_size=4608, num_hidden_layers=2,
         num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=4096,
     )  # fmt: skip
+    monkeypatch.setattr(small_batch_gemm_module, "ENABLED", True)
     if not small_batch_gemm_pays(torch.zeros(12, 8, dtype=torch.bfloat16, device="cuda"), 2304):
         pytest.skip("this GPU has too many SMs for the test model's widths")
     calls = []

@@ -4,6 +4,7 @@ linear layers take it."""
 import pytest
 import torch
 
+import nanovllm.kernels.small_batch_gemm as small_batch_gemm_module
 from nanovllm.kernels.small_batch_gemm import (
     MAX_ROWS,
     small_batch_gemm,
@@ -58,7 +59,8 @@ def test_bad_inputs():
         small_batch_gemm(torch.zeros(2, 64, device=DEVICE), torch.zeros(64, 32, device=DEVICE).t())
 
 
-def test_taken_only_for_small_16_bit_batches_on_cuda():
+def test_taken_only_when_enabled_for_small_16_bit_batches_on_cuda(monkeypatch):
+    monkeypatch.setattr(small_batch_gemm_module, "ENABLED", True)
     cpu = torch.zeros(1, 64, dtype=torch.bfloat16)
     assert not small_batch_gemm_pays(cpu, 1 << 20)  # the interpreter is for tests, not speed
     if DEVICE != "cuda":
@@ -66,6 +68,9 @@ def test_taken_only_for_small_16_bit_batches_on_cuda():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.zeros(MAX_ROWS, 64, dtype=torch.bfloat16, device="cuda")
     assert small_batch_gemm_pays(x, 16 * sms)
+    monkeypatch.setattr(small_batch_gemm_module, "ENABLED", False)
+    assert not small_batch_gemm_pays(x, 16 * sms)  # the default: cuBLAS
+    monkeypatch.setattr(small_batch_gemm_module, "ENABLED", True)
     assert not small_batch_gemm_pays(x, 16 * sms - 1)  # some SMs would idle: cuBLAS cuts K instead
     too_many = torch.zeros(MAX_ROWS + 1, 64, dtype=torch.bfloat16, device="cuda")
     assert not small_batch_gemm_pays(too_many, 1 << 16)
