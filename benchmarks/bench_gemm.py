@@ -1,7 +1,7 @@
 """The decoder's four projections at a step's row counts: cuBLAS, cuBLASLt and a plain Triton GEMM.
 
     PYTHONPATH=. python3 benchmarks/bench_gemm.py [--shape qwen3-8b] [--rows 256,1024] [--triton]
-                                                   [--fused-tiles] [--splitk]
+                                                   [--fused-tiles] [--splitk] [--small-batch]
 
 Each case is ``F.linear(x, w)`` (``w``: ``[out, in]``, as the checkpoint stores it) for qkv,
 o, gate_up and down, timed as a CUDA-graph replay over ``--layers`` layers' weights, so no
@@ -13,6 +13,9 @@ split-K GEMMs (``SPLITK_TILES`` to 16 rows, ``MID_SPLITK_TILES`` above; "gemv", 
 same in one launch) and "engine", the engine's own ``small_batch_gemm`` with its one setting (to
 16 rows): each the best of its tiles per case, its output checked before it is timed, each figure
 with its share of the copy rate on the weight's bytes. What each probe asks: ``gemm_probes.py``.
+``--small-batch`` times ``small_batch_gemm`` over ``SMALL_BATCH_TILES`` (to 16 rows), its default
+first: fewer warps a program read the shared-memory tiles fewer times over (each warp of the
+default's 2 x 2 reads all of x's tile and half of w's), wider N tiles read x's once for more of w.
 
 A second row for gate_up, "gate_up+silu", sets cuBLAS (and cuBLASLt) followed by the engine's
 SwiGLU kernel against the engine's GEMM with SwiGLU in its epilogue (``gate_up_silu``, gate
@@ -45,6 +48,17 @@ FUSED_TILES = [
     (128, 128, 64, 4, 4, True),
     (128, 256, 64, 8, 3, True),
 ]
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of small_batch_gemm, as the probes' tiles (its BLOCK_M
+# is always 16); None: its default (16, 16, 512, 4, 3)
+SMALL_BATCH_TILES = [None] + [
+    (16, *tile)
+    for tile in [
+        (16, 512, 2, 3), (16, 512, 2, 4), (16, 512, 1, 4), (16, 1024, 2, 2), (16, 256, 2, 6),
+        (16, 256, 1, 6), (32, 512, 2, 3), (32, 256, 2, 4), (32, 512, 4, 3),
+    ]
+]  # fmt: skip
 
 
 def engine_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: None) -> torch.Tensor:
@@ -124,6 +138,7 @@ def main() -> None:
     parser.add_argument("--triton", action="store_true", help="also time a plain Triton GEMM")
     parser.add_argument("--fused-tiles", action="store_true", help="sweep gate_up_silu's tiles")
     parser.add_argument("--splitk", action="store_true", help="also time a split-K GEMM")
+    parser.add_argument("--small-batch", action="store_true", help="sweep small_batch_gemm's tiles")
     parser.add_argument("--copy-gbps", type=float, default=4300.0, help="the GPU's copy rate, GB/s")
     parser.add_argument("--rep-ms", type=int, default=100)
     args = parser.parse_args()
@@ -143,6 +158,14 @@ def main() -> None:
                 lambda rows: [None] if rows <= MAX_ROWS else None,
             ),
         ]
+    if args.small_batch:
+        kernels.append(
+            (
+                "small-batch",
+                lambda x, w, out, tile: small_batch_gemm(x, w, tile=tile and tile[1:]),
+                lambda rows: SMALL_BATCH_TILES if rows <= MAX_ROWS else None,
+            )
+        )
     dims = projections(args.shape)
     ws = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(args.layers)]
           for name, (k, n) in dims.items()}  # fmt: skip

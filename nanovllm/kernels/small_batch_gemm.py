@@ -87,13 +87,18 @@ def _small_batch_gemm_kernel(
 
 
 def small_batch_gemm(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    swiglu: bool = False,
+    tile: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for ``x`` ``[rows, in]`` of 1-16 rows (unit stride along features),
     ``w`` ``[out, in]`` contiguous, both one of float32 / float16 / bfloat16; fp32 sums over K
     in steps of ``_BLOCK_K``, rounded once to ``x.dtype``. ``swiglu``: ``w`` holds gate and up
     rows interleaved, and the result is ``silu(gate) * up``, ``[rows, out / 2]``, as
-    :func:`~nanovllm.kernels.gate_up_silu.gate_up_silu_ref` rounds it."""
+    :func:`~nanovllm.kernels.gate_up_silu.gate_up_silu_ref` rounds it. ``tile``: ``(BLOCK_N,
+    BLOCK_K, num_warps, num_stages)`` in place of the default, for benchmarks."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"expected x [rows, in] and w [out, in], got {tuple(x.shape)} and {tuple(w.shape)}")
     if not 0 < x.shape[0] <= MAX_ROWS:
@@ -105,12 +110,13 @@ def small_batch_gemm(
     (m, k), n = x.shape, w.shape[0]
     if swiglu and (n % 2 or bias is not None):
         raise ValueError(f"swiglu needs interleaved gate/up rows (an even count, not {n}) and no bias")
+    block_n, block_k, num_warps, num_stages = tile or (_BLOCK_N, _BLOCK_K, _NUM_WARPS, _NUM_STAGES)
     out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
-    _small_batch_gemm_kernel[(triton.cdiv(n, _BLOCK_N),)](
+    _small_batch_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, w, w if bias is None else bias, out, m, n, k, x.stride(0),
-        HAS_BIAS=bias is not None, SWIGLU=swiglu, EVEN_K=k % _BLOCK_K == 0,
+        HAS_BIAS=bias is not None, SWIGLU=swiglu, EVEN_K=k % block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32: ignored for 16-bit inputs
-        BLOCK_M=MAX_ROWS, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **pdl_options(x.device),
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )  # fmt: skip
     return out

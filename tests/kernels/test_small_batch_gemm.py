@@ -39,6 +39,17 @@ def test_kernel_matches_reference(dtype, rows, k, n, bias):
     _close(got, want.to(dtype))
 
 
+@pytest.mark.parametrize("tile", [(32, 256, 2, 2), (16, 128, 1, 3), (64, 64, 4, 4)])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_other_tiles_match_reference(tile, swiglu):
+    """The tiles a benchmark may pass: part tiles of N, K steps that do not divide K, 1-4 warps."""
+    gen = torch.Generator().manual_seed(tile[0])
+    x = torch.randn(5, 640, generator=gen).to(DEVICE)
+    w = (torch.randn(2 * 40, 640, generator=gen) / 640**0.5).to(DEVICE)
+    got = small_batch_gemm(x, w, swiglu=swiglu, tile=tile)
+    _close(got, small_batch_gemm_ref(x.double(), w.double(), swiglu=swiglu).float())
+
+
 def test_kernel_on_rows_of_a_wider_tensor():
     gen = torch.Generator().manual_seed(0)
     wide = torch.randn(4, 2 * 512, generator=gen).to(DEVICE)
