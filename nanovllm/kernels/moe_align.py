@@ -63,6 +63,25 @@ def _one_hot(ids_ptr, chunk, num_pairs, CHUNK: tl.constexpr, EXPERTS: tl.constex
     return pairs, (ids[:, None] == tl.arange(0, EXPERTS)[None, :]).to(tl.int32)
 
 
+@triton.jit
+def _lay_out_runs(
+    counts, expert_of_block_ptr, num_padded_ptr, num_experts, num_blocks, block_m,
+    EXPERTS: tl.constexpr, BLOCKS: tl.constexpr,
+):  # fmt: skip
+    """From the experts' pair counts: each expert's run padded to whole blocks, the expert of every
+    block and the rows in use stored; returns the runs' first rows."""
+    experts = tl.arange(0, EXPERTS)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(num_padded_ptr, tl.max(ends, axis=0))
+    far_ends = tl.where(experts < num_experts, ends, 2**30)  # so blocks past the end get num_experts
+    for b0 in range(0, num_blocks, BLOCKS):
+        blocks = b0 + tl.arange(0, BLOCKS)
+        expert = tl.sum((far_ends[None, :] <= (blocks * block_m)[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_of_block_ptr + blocks, expert, mask=blocks < num_blocks)
+    return ends - padded
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_rows", "rows_per_program"])
 def _count_kernel(
     ids_ptr, chunk_counts_ptr, sorted_ids_ptr, num_pairs, max_rows, rows_per_program,
@@ -94,15 +113,10 @@ def _place_kernel(
         tile = tl.load(ptrs, mask=chunks[:, None] < num_chunks, other=0)
         tl.store(ptrs, counts[None, :] + tl.cumsum(tile, axis=0) - tile, mask=chunks[:, None] < num_chunks)
         counts += tl.sum(tile, axis=0)
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = tl.cumsum(padded, axis=0)
-    tl.store(expert_start_ptr + experts, ends - padded)
-    tl.store(num_padded_ptr, tl.max(ends, axis=0))
-    ends = tl.where(experts < num_experts, ends, 2**30)  # so blocks past the end get num_experts
-    for b0 in range(0, num_blocks, BLOCKS):
-        blocks = b0 + tl.arange(0, BLOCKS)
-        expert = tl.sum((ends[None, :] <= (blocks * block_m)[:, None]).to(tl.int32), axis=1)
-        tl.store(expert_of_block_ptr + blocks, expert, mask=blocks < num_blocks)
+    starts = _lay_out_runs(
+        counts, expert_of_block_ptr, num_padded_ptr, num_experts, num_blocks, block_m, EXPERTS, BLOCKS
+    )
+    tl.store(expert_start_ptr + experts, starts)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -129,20 +143,13 @@ def _one_program_kernel(
     """The three launches' work in one program: the experts' counts, their runs' starts, the
     expert of every block, then each pair to its row (the counts of earlier chunks kept in
     registers rather than written out)."""
-    experts = tl.arange(0, EXPERTS)
     counts = tl.zeros((EXPERTS,), dtype=tl.int32)
     for c0 in range(0, num_pairs, CHUNK):
         _, hot = _one_hot(ids_ptr, c0 // CHUNK, num_pairs, CHUNK, EXPERTS)
         counts += tl.sum(hot, axis=0)
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    tl.store(num_padded_ptr, tl.max(ends, axis=0))
-    ends = tl.where(experts < num_experts, ends, 2**30)  # so blocks past the end get num_experts
-    for b0 in range(0, num_blocks, BLOCKS):
-        blocks = b0 + tl.arange(0, BLOCKS)
-        expert = tl.sum((ends[None, :] <= (blocks * block_m)[:, None]).to(tl.int32), axis=1)
-        tl.store(expert_of_block_ptr + blocks, expert, mask=blocks < num_blocks)
+    starts = _lay_out_runs(
+        counts, expert_of_block_ptr, num_padded_ptr, num_experts, num_blocks, block_m, EXPERTS, BLOCKS
+    )
     for r0 in range(0, max_rows, ROWS):
         rows = r0 + tl.arange(0, ROWS)
         tl.store(sorted_ids_ptr + rows, tl.full((ROWS,), num_pairs, tl.int32), mask=rows < max_rows)
