@@ -15,7 +15,8 @@ same in one launch) and "engine", the engine's own ``small_batch_gemm`` with its
 with its share of the copy rate on the weight's bytes. What each probe asks: ``gemm_probes.py``.
 ``--small-batch`` times ``small_batch_gemm`` over ``SMALL_BATCH_TILES`` (to 16 rows), its default
 first: fewer warps a program read the shared-memory tiles fewer times over (each warp of the
-default's 2 x 2 reads all of x's tile and half of w's), wider N tiles read x's once for more of w.
+default's 2 x 2 reads all of x's tile and half of w's), wider N tiles read x's once for more of w;
+and at one row ``gemm_probes.py``'s CUDA-core GEMV ("fma") over ``FMA_TILES``.
 
 A second row for gate_up, "gate_up+silu", sets cuBLAS (and cuBLASLt) followed by the engine's
 SwiGLU kernel against the engine's GEMM with SwiGLU in its epilogue (``gate_up_silu``, gate
@@ -31,7 +32,15 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.cuda_graphs import graph_us
-from benchmarks.gemm_probes import MID_SPLITK_TILES, SPLITK_TILES, TILES, gemv_linear, triton_linear
+from benchmarks.gemm_probes import (
+    FMA_TILES,
+    MID_SPLITK_TILES,
+    SPLITK_TILES,
+    TILES,
+    fma_linear,
+    gemv_linear,
+    triton_linear,
+)
 from nanovllm.demo_models import SHAPES
 from nanovllm.kernels.gate_up_silu import gate_up_silu
 from nanovllm.kernels.silu_and_mul import silu_and_mul
@@ -166,6 +175,7 @@ def main() -> None:
                 lambda rows: SMALL_BATCH_TILES if rows <= MAX_ROWS else None,
             )
         )
+        kernels.append(("fma", fma_linear, lambda rows: FMA_TILES if rows == 1 else None))
     dims = projections(args.shape)
     ws = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(args.layers)]
           for name, (k, n) in dims.items()}  # fmt: skip

@@ -3,7 +3,9 @@ times them): a plain tiled GEMM (could a kernel that also takes the RMSNorm befo
 residual add after it match cuBLAS at all?), split-K with its fp32 shares added by a second
 kernel (is reading the weight where cuBLAS loses time at 1-16 rows, or are too few output tiles
 at 17-256?), and split-K in one launch ("gemv": the last program of a column tile adds the
-shares in order, so no second kernel and no run-to-run difference). Probes, not the engine's
+shares in order, so no second kernel and no run-to-run difference), and a GEMV on CUDA cores for
+one row ("fma": no tensor cores and no shared memory, so nothing caps the weight's stream but
+the loads in flight; is a batch-1 step's GEMM bound by shared memory?). Probes, not the engine's
 code: ``x @ w.T`` for contiguous ``x [M, K]`` and ``w [N, K]`` into ``out``, with the tiles below.
 """
 
@@ -147,6 +149,55 @@ def gemv_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple
         x, w, part, count, out, M, N, K, K // split, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk,
         SPLIT=split, num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    return out
+
+
+# (rows: 1, BLOCK_N, BLOCK_K, warps, AHEAD + 1) for fma_linear: AHEAD loads the next K step's
+# weights before the products of this one (two steps in flight)
+FMA_TILES = [
+    (1, bn, bk, warps, stages)
+    for bn, bk, warps in [(16, 512, 4), (16, 1024, 8), (32, 512, 8), (8, 1024, 4), (16, 256, 2)]
+    for stages in (1, 2)
+]  # fmt: skip
+
+
+@triton.jit
+def _fma_gemv_kernel(
+    x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr
+):
+    # one row: the products summed elementwise across K steps and reduced once at the end; x is
+    # loaded broadcast to w's tile shape so both share one register layout (no conversion a step)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)[None, :]
+    x_ptrs = x_ptr + offs_n[:, None] * 0 + offs_k
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k
+    cols = offs_n[:, None] < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if AHEAD:
+        w = tl.load(w_ptrs, mask=cols & (offs_k < K), other=0.0)
+    for k in range(0, K, BLOCK_K):
+        if AHEAD:
+            w_next = tl.load(w_ptrs + BLOCK_K, mask=cols & (offs_k < K - k - BLOCK_K), other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=cols & (offs_k < K - k), other=0.0)
+        x = tl.load(x_ptrs, mask=offs_k < K - k, other=0.0)
+        acc += x.to(tl.float32) * w.to(tl.float32)
+        if AHEAD:
+            w = w_next
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    tl.store(out_ptr + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def fma_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile: tuple) -> torch.Tensor:
+    """``tile``: ``FMA_TILES``' five entries; one row."""
+    (M, K), N = x.shape, out.shape[1]
+    if M != 1:
+        raise ValueError(f"fma_linear takes one row, not {M}")
+    _, bn, bk, warps, stages = tile
+    _fma_gemv_kernel[(triton.cdiv(N, bn),)](
+        x, w, out, N, K, BLOCK_N=bn, BLOCK_K=bk, AHEAD=stages > 1, num_warps=warps, num_stages=1
+    )
     return out
 
 
