@@ -6,8 +6,9 @@ sum over K runs in one order whatever the batch holds. Worth it only where the w
 give every SM a program (:func:`small_batch_gemm_pays`); cuBLAS elsewhere.
 
 The engine takes it only with ``NANOVLLM_SMALL_BATCH_GEMM=1`` in the environment: on an H100 it
-shortened the 8B's batch-1 step by 2.2%, on an H200 it lengthened it by 11% (its 16 KB a stage do
-not keep the faster memory busy; ``benchmarks/MEASUREMENTS.md``)."""
+shortened the 8B's batch-1 step by 2.2%, on an H200 it lengthened it by 11%. Read from its PTX: its
+four warps each read all of x's shared tile and half of w's, ~8 bytes of shared-memory traffic per
+weight byte, about all an SM has at the H200's memory rate (``benchmarks/MEASUREMENTS.md``)."""
 
 import os
 
