@@ -17,13 +17,15 @@ def prompt_rows(tokens: int, config: Config) -> list[int]:
 def warm_up_lens(config: Config) -> list[tuple[list[int], int]]:
     """``(prompt lengths, cached prefix)`` of the eager steps that compile, before the first
     request waits for it, what eager steps run: prompt chunks with and without a cached prefix,
-    alone and mixed with decodes; then a step of every power of two from 64 tokens below the
-    largest step (the profile's: the token budget, as far as ``max_num_seqs`` rows of
-    ``max_model_len`` hold it), since kernels pick tiles and split factors by a step's token count
-    and each pick compiles once."""
+    alone and mixed with decodes; a step of one token (kernels that take another path for a
+    step's few tokens, as the MoE alignment does); then a step of every power of two from 64
+    tokens below the largest step (the profile's: the token budget, as far as ``max_num_seqs``
+    rows of ``max_model_len`` hold it), since kernels pick tiles and split factors by a step's
+    token count and each pick compiles once."""
     n = max(1, min(16, config.max_model_len // 2))
     rows = config.max_num_seqs
     steps = [(lens[-rows:], prefix) for prefix in (0, n) for lens in ([n, n], [1, 1, n])]
+    steps.append(([1], 0))
     tokens, largest = 64, sum(prompt_rows(config.max_num_batched_tokens, config))
     while tokens < largest:
         steps.append((prompt_rows(tokens, config), 0))

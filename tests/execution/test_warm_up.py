@@ -28,7 +28,8 @@ def test_prompt_rows_fill_the_tokens_within_the_limits(qwen3_dir):
 def test_steps_of_each_power_of_two_below_the_largest(qwen3_dir, max_model_len, max_num_seqs, budget, ladder):
     limits = dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
     steps = warm_up_lens(config(qwen3_dir, **limits))
-    assert [sum(lens) for lens, _ in steps[4:]] == ladder  # after the four small steps
+    assert steps[4] == ([1], 0)  # one token: the MoE alignment's one-program path, for one
+    assert [sum(lens) for lens, _ in steps[5:]] == ladder  # after the five small steps
     for lens, prefix in steps:
         assert len(lens) <= max_num_seqs and all(0 < n and prefix + n <= max_model_len for n in lens)
 
