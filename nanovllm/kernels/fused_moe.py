@@ -179,10 +179,10 @@ def _gate_up_kernel(
             group = k0 // GROUP_K
             x_s = tl.load(x_scale_ptr + tokens * stride_xsm + group, mask=valid, other=0.0)[:, None]
             s_ptrs = w_scale_ptr + e * stride_wse + n * stride_wsn + group
-            gate += tl.dot(a, g) * x_s * tl.load(s_ptrs, mask=n < inter, other=0.0)[None, :]
-            up += (
-                tl.dot(a, u) * x_s * tl.load(s_ptrs + inter * stride_wsn, mask=n < inter, other=0.0)[None, :]
-            )
+            g_s = tl.load(s_ptrs, mask=n < inter, other=0.0)[None, :]
+            u_s = tl.load(s_ptrs + inter * stride_wsn, mask=n < inter, other=0.0)[None, :]
+            gate += tl.dot(a, g) * x_s * g_s
+            up += tl.dot(a, u) * x_s * u_s
         elif FP8 and not FAST_ACCUM:  # each step summed apart, then added in fp32
             gate += tl.dot(a, g)
             up += tl.dot(a, u)
