@@ -3,12 +3,14 @@ the weights: one 16-row tile of rows, each program streaming ``BLOCK_N`` of the 
 over all of K. The weight is read once, in one launch, with no split-K reduce after it (cuBLAS
 cuts K for the 8B's o and down projections at these sizes and adds a reduce kernel each); the
 sum over K runs in one order whatever the batch holds. Worth it only where the weight's rows
-give every SM a program (:func:`small_batch_gemm_pays`); cuBLAS elsewhere.
+give every SM a program (:func:`small_batch_gemm_pays`); cuBLAS elsewhere, and for the LM head,
+whose wide weight cuBLAS streams at the copy rate.
 
-The engine takes it only with ``NANOVLLM_SMALL_BATCH_GEMM=1`` in the environment: on an H100 it
-shortened the 8B's batch-1 step by 2.2%, on an H200 it lengthened it by 11%. Read from its PTX: its
-four warps each read all of x's shared tile and half of w's, ~8 bytes of shared-memory traffic per
-weight byte, about all an SM has at the H200's memory rate (``benchmarks/MEASUREMENTS.md``)."""
+Two warps a program: the 16 x ``BLOCK_N`` product is then laid over warps as ``[1, 2]``, and no
+warp reads the shared tiles another has read (four warps, ``[2, 2]``, read x's tile twice as
+often: ~8 bytes of shared-memory traffic per weight byte, about all an SM has at the H200's
+memory rate; ``benchmarks/MEASUREMENTS.md``). ``NANOVLLM_SMALL_BATCH_GEMM=0`` in the environment
+takes cuBLAS at every size."""
 
 import os
 
@@ -21,12 +23,12 @@ from nanovllm.kernels.device import num_sms, pdl_options, wait_for_prior_grid
 from nanovllm.kernels.gate_up_silu import gate_up_silu_ref, swiglu_of_pairs
 
 MAX_ROWS = 16  # one tile of rows: tl.dot's smallest
-_BLOCK_N = 16  # weight rows per program
-_BLOCK_K = 512  # features per step: 16 KB of a bf16 weight in flight per stage
-_NUM_WARPS = 4
-_NUM_STAGES = 3
+# (BLOCK_N weight rows per program, BLOCK_K features per step, warps, stages): 16 KB of a bf16
+# weight in flight per stage; with SwiGLU 32 rows, 16 output columns, in 8 KB steps
+_TILE = (16, 512, 2, 3)
+_SWIGLU_TILE = (32, 256, 2, 4)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-ENABLED = os.environ.get("NANOVLLM_SMALL_BATCH_GEMM", "0") == "1"
+ENABLED = os.environ.get("NANOVLLM_SMALL_BATCH_GEMM", "1") == "1"
 
 
 def small_batch_gemm_ref(
@@ -37,17 +39,18 @@ def small_batch_gemm_ref(
     return gate_up_silu_ref(x, w) if swiglu else F.linear(x, w, bias)
 
 
-def small_batch_gemm_pays(x: torch.Tensor, out_features: int) -> bool:
-    """Whether :func:`small_batch_gemm` should take ``x`` (``[rows, in]``) times a weight of
-    ``out_features`` rows: when enabled (``ENABLED``), 1-16 rows of a 16-bit dtype on a CUDA
-    device, and a program for every SM without cutting K."""
+def small_batch_gemm_pays(x: torch.Tensor, out_features: int, swiglu: bool = False) -> bool:
+    """Whether :func:`small_batch_gemm` (with ``swiglu`` or not) should take ``x`` (``[rows,
+    in]``) times a weight of ``out_features`` rows: when enabled (``ENABLED``), 1-16 rows of a
+    16-bit dtype on a CUDA device, and a program for every SM without cutting K."""
+    block_n = (_SWIGLU_TILE if swiglu else _TILE)[0]
     return (
         ENABLED
         and x.is_cuda
         and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float16)
-        and out_features >= _BLOCK_N * num_sms(x.device)
+        and out_features >= block_n * num_sms(x.device)
     )
 
 
@@ -96,10 +99,11 @@ def small_batch_gemm(
 ) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for ``x`` ``[rows, in]`` of 1-16 rows (unit stride along features),
     ``w`` ``[out, in]`` contiguous, both one of float32 / float16 / bfloat16; fp32 sums over K
-    in steps of ``_BLOCK_K``, rounded once to ``x.dtype``. ``swiglu``: ``w`` holds gate and up
+    in steps of the tile's ``BLOCK_K``, rounded once to ``x.dtype``. ``swiglu``: ``w`` holds gate and up
     rows interleaved, and the result is ``silu(gate) * up``, ``[rows, out / 2]``, as
     :func:`~nanovllm.kernels.gate_up_silu.gate_up_silu_ref` rounds it. ``tile``: ``(BLOCK_N,
-    BLOCK_K, num_warps, num_stages)`` in place of the default, for benchmarks."""
+    BLOCK_K, num_warps, num_stages)`` in place of the default (``_TILE``, ``_SWIGLU_TILE``), for
+    benchmarks."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"expected x [rows, in] and w [out, in], got {tuple(x.shape)} and {tuple(w.shape)}")
     if not 0 < x.shape[0] <= MAX_ROWS:
@@ -111,7 +115,7 @@ def small_batch_gemm(
     (m, k), n = x.shape, w.shape[0]
     if swiglu and (n % 2 or bias is not None):
         raise ValueError(f"swiglu needs interleaved gate/up rows (an even count, not {n}) and no bias")
-    block_n, block_k, num_warps, num_stages = tile or (_BLOCK_N, _BLOCK_K, _NUM_WARPS, _NUM_STAGES)
+    block_n, block_k, num_warps, num_stages = tile or (_SWIGLU_TILE if swiglu else _TILE)
     out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     _small_batch_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, w, w if bias is None else bias, out, m, n, k, x.stride(0),

@@ -59,7 +59,7 @@ class GateUpSwiGLU(ColumnParallelLinear):
             return QuantizedActivation(*swiglu_fp8(rows, halves=self.halves, group=group), y.dtype)
         if not x.is_cuda:
             return gate_up_silu_ref(x, self.weight)
-        if small_batch_gemm_pays(x, self.weight.shape[0]):
+        if small_batch_gemm_pays(x, self.weight.shape[0], swiglu=True):
             return small_batch_gemm(x, self.weight, swiglu=True)
         if gate_up_silu_fits(x, self.weight):
             return gate_up_silu(x, self.weight)

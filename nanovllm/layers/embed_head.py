@@ -4,7 +4,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.small_batch_gemm import small_batch_gemm, small_batch_gemm_pays
 from nanovllm.layers.parallel import TPGroup, copy_weight, divide, shard_of
 
 
@@ -38,6 +37,4 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        if small_batch_gemm_pays(x, self.weight.shape[0]):  # decode at 1-16 rows
-            return self.tp.gather_to_first(small_batch_gemm(x, self.weight))
         return self.tp.gather_to_first(F.linear(x, self.weight))

@@ -70,7 +70,7 @@ def test_bad_inputs():
         small_batch_gemm(torch.zeros(2, 64, device=DEVICE), torch.zeros(64, 32, device=DEVICE).t())
 
 
-def test_taken_only_when_enabled_for_small_16_bit_batches_on_cuda(monkeypatch):
+def test_taken_for_small_16_bit_batches_on_cuda_unless_disabled(monkeypatch):
     monkeypatch.setattr(small_batch_gemm_module, "ENABLED", True)
     cpu = torch.zeros(1, 64, dtype=torch.bfloat16)
     assert not small_batch_gemm_pays(cpu, 1 << 20)  # the interpreter is for tests, not speed
@@ -78,14 +78,15 @@ def test_taken_only_when_enabled_for_small_16_bit_batches_on_cuda(monkeypatch):
         return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.zeros(MAX_ROWS, 64, dtype=torch.bfloat16, device="cuda")
-    assert small_batch_gemm_pays(x, 16 * sms)
-    monkeypatch.setattr(small_batch_gemm_module, "ENABLED", False)
-    assert not small_batch_gemm_pays(x, 16 * sms)  # the default: cuBLAS
-    monkeypatch.setattr(small_batch_gemm_module, "ENABLED", True)
+    assert small_batch_gemm_pays(x, 16 * sms)  # 16 weight rows a program, 32 with SwiGLU
     assert not small_batch_gemm_pays(x, 16 * sms - 1)  # some SMs would idle: cuBLAS cuts K instead
+    assert small_batch_gemm_pays(x, 32 * sms, swiglu=True)
+    assert not small_batch_gemm_pays(x, 32 * sms - 2, swiglu=True)
     too_many = torch.zeros(MAX_ROWS + 1, 64, dtype=torch.bfloat16, device="cuda")
     assert not small_batch_gemm_pays(too_many, 1 << 16)
     assert not small_batch_gemm_pays(x.float(), 1 << 16)
+    monkeypatch.setattr(small_batch_gemm_module, "ENABLED", False)  # NANOVLLM_SMALL_BATCH_GEMM=0
+    assert not small_batch_gemm_pays(x, 1 << 16)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the 8B's projections at decode sizes, in bf16 on the GPU")
@@ -108,11 +109,11 @@ def test_decoder_projections_on_cuda(rows, k, n, swiglu):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, MAX_ROWS])
-def test_swiglu_epilogue_matches_reference(dtype, rows):
+@pytest.mark.parametrize("rows, k", [(1, 512), (5, 640), (MAX_ROWS, 512)])  # K of whole and partial steps
+def test_swiglu_epilogue_matches_reference(dtype, rows, k):
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 512, generator=gen).to(dtype).to(DEVICE)
-    w = (2 * torch.randn(2 * 40, 512, generator=gen) / 512**0.5).to(dtype).to(DEVICE)  # 40 pairs: a part tile
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE)
+    w = (2 * torch.randn(2 * 40, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)  # 40 pairs: a part tile
     got = small_batch_gemm(x, w, swiglu=True)
     assert got.shape == (rows, 40)
     # the same roundings in the same places; the products' sums may differ in their last bit
