@@ -14,9 +14,9 @@ same in one launch) and "engine", the engine's own ``small_batch_gemm`` with its
 16 rows): each the best of its tiles per case, its output checked before it is timed, each figure
 with its share of the copy rate on the weight's bytes. What each probe asks: ``gemm_probes.py``.
 ``--small-batch`` times ``small_batch_gemm`` over ``SMALL_BATCH_TILES`` (to 16 rows), its default
-first: fewer warps a program read the shared-memory tiles fewer times over (each warp of the
-default's 2 x 2 reads all of x's tile and half of w's), wider N tiles read x's once for more of w;
-and at one row ``gemm_probes.py``'s CUDA-core GEMV ("fma") over ``FMA_TILES``.
+first (two warps; with SwiGLU its own tile): one warp a program reads the shared-memory tiles
+fewer times over, four read x's twice over (2 x 2 warps), wider N tiles read x's once for more of
+w; and at one row ``gemm_probes.py``'s CUDA-core GEMV ("fma") over ``FMA_TILES``.
 
 A second row for gate_up, "gate_up+silu", sets cuBLAS (and cuBLASLt) followed by the engine's
 SwiGLU kernel against the engine's GEMM with SwiGLU in its epilogue (``gate_up_silu``, gate
@@ -60,11 +60,11 @@ FUSED_TILES = [
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of small_batch_gemm, as the probes' tiles (its BLOCK_M
-# is always 16); None: its default (16, 16, 512, 4, 3)
+# is always 16); None: its defaults (16 x 512, 2 warps, 3 stages; with SwiGLU 32 x 256, 2 warps, 4)
 SMALL_BATCH_TILES = [None] + [
     (16, *tile)
     for tile in [
-        (16, 512, 2, 3), (16, 512, 2, 4), (16, 512, 1, 4), (16, 1024, 2, 2), (16, 256, 2, 6),
+        (16, 512, 4, 3), (16, 512, 2, 4), (16, 512, 1, 4), (16, 1024, 2, 2), (16, 256, 2, 6),
         (16, 256, 1, 6), (32, 512, 2, 3), (32, 256, 2, 4), (32, 512, 4, 3),
     ]
 ]  # fmt: skip
