@@ -70,7 +70,7 @@ def test_bad_inputs():
         small_batch_gemm(torch.zeros(2, 64, device=DEVICE), torch.zeros(64, 32, device=DEVICE).t())
 
 
-def test_taken_for_small_16_bit_batches_on_cuda_unless_disabled(monkeypatch):
+def test_taken_only_when_enabled_for_small_16_bit_batches_on_cuda(monkeypatch):
     monkeypatch.setattr(small_batch_gemm_module, "ENABLED", True)
     cpu = torch.zeros(1, 64, dtype=torch.bfloat16)
     assert not small_batch_gemm_pays(cpu, 1 << 20)  # the interpreter is for tests, not speed
@@ -85,8 +85,8 @@ def test_taken_for_small_16_bit_batches_on_cuda_unless_disabled(monkeypatch):
     too_many = torch.zeros(MAX_ROWS + 1, 64, dtype=torch.bfloat16, device="cuda")
     assert not small_batch_gemm_pays(too_many, 1 << 16)
     assert not small_batch_gemm_pays(x.float(), 1 << 16)
-    monkeypatch.setattr(small_batch_gemm_module, "ENABLED", False)  # NANOVLLM_SMALL_BATCH_GEMM=0
-    assert not small_batch_gemm_pays(x, 1 << 16)
+    monkeypatch.setattr(small_batch_gemm_module, "ENABLED", False)
+    assert not small_batch_gemm_pays(x, 1 << 16)  # the default: cuBLAS
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the 8B's projections at decode sizes, in bf16 on the GPU")
