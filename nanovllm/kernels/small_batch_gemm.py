@@ -43,18 +43,21 @@ def small_batch_gemm_ref(
     return gate_up_silu_ref(x, w) if swiglu else F.linear(x, w, bias)
 
 
+def _default_tile(swiglu: bool) -> tuple[int, int, int, int]:
+    return _SWIGLU_TILE if swiglu else _TILE
+
+
 def small_batch_gemm_pays(x: torch.Tensor, out_features: int, swiglu: bool = False) -> bool:
     """Whether :func:`small_batch_gemm` (with ``swiglu`` or not) should take ``x`` (``[rows,
     in]``) times a weight of ``out_features`` rows: when enabled (``ENABLED``), 1-16 rows of a
     16-bit dtype on a CUDA device, and a program for every SM without cutting K."""
-    block_n = (_SWIGLU_TILE if swiglu else _TILE)[0]
     return (
         ENABLED
         and x.is_cuda
         and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float16)
-        and out_features >= block_n * num_sms(x.device)
+        and out_features >= _default_tile(swiglu)[0] * num_sms(x.device)
     )
 
 
@@ -103,8 +106,8 @@ def small_batch_gemm(
 ) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for ``x`` ``[rows, in]`` of 1-16 rows (unit stride along features),
     ``w`` ``[out, in]`` contiguous, both one of float32 / float16 / bfloat16; fp32 sums over K
-    in steps of the tile's ``BLOCK_K``, rounded once to ``x.dtype``. ``swiglu``: ``w`` holds gate and up
-    rows interleaved, and the result is ``silu(gate) * up``, ``[rows, out / 2]``, as
+    in steps of the tile's ``BLOCK_K``, rounded once to ``x.dtype``. ``swiglu``: ``w`` holds
+    gate and up rows interleaved, and the result is ``silu(gate) * up``, ``[rows, out / 2]``, as
     :func:`~nanovllm.kernels.gate_up_silu.gate_up_silu_ref` rounds it. ``tile``: ``(BLOCK_N,
     BLOCK_K, num_warps, num_stages)`` in place of the default (``_TILE``, ``_SWIGLU_TILE``), for
     benchmarks."""
@@ -119,7 +122,7 @@ def small_batch_gemm(
     (m, k), n = x.shape, w.shape[0]
     if swiglu and (n % 2 or bias is not None):
         raise ValueError(f"swiglu needs interleaved gate/up rows (an even count, not {n}) and no bias")
-    block_n, block_k, num_warps, num_stages = tile or (_SWIGLU_TILE if swiglu else _TILE)
+    block_n, block_k, num_warps, num_stages = tile or _default_tile(swiglu)
     out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     _small_batch_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, w, w if bias is None else bias, out, m, n, k, x.stride(0),
