@@ -144,6 +144,22 @@ def child_argv(argv: list[str], per_child: tuple[str, ...], flags: tuple[str, ..
     return out
 
 
+def child_commands(argv: list[str], args, engines: list[str]) -> list[list[str]]:
+    """Each process's command line (``argv`` is the parent's): one per engine, or with
+    ``--structured`` a constrained one per engine, after its unconstrained baseline unless
+    ``--only-constrained``. Every child gets the parent's options but those set per child."""
+    common = child_argv(
+        argv, ("--engine", "--json", "--structured"), ("--tokenizer", "--only-constrained", "--child")
+    )
+    jobs = [[]]
+    if args.structured != "none":
+        constrained = ["--structured", args.structured, "--only-constrained"]
+        jobs = (
+            [constrained] if args.only_constrained else [["--structured", "none", "--tokenizer"], constrained]
+        )
+    return [["--engine", e, "--child", *options, *common] for e in engines for options in jobs]
+
+
 def parse_args() -> argparse.Namespace:
     """The command line, checked: an option no chosen engine supports is an error."""
     parser = argparse.ArgumentParser(
@@ -278,31 +294,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     engines = args.engine.split(",")
-    # (engine, extra options) per process: a constrained run also gets its unconstrained baseline
-    jobs = [(e, []) for e in engines]
-    if args.structured != "none" and not args.only_constrained:
-        jobs = [
-            (e, o)
-            for e in engines
-            for o in (
-                ["--structured", "none", "--tokenizer"],
-                ["--structured", args.structured, "--only-constrained"],
-            )
-        ]
-    if len(jobs) > 1:  # one process per run: they must not share a GPU context (or a prefix cache)
+    commands = child_commands(sys.argv[1:], args, engines)
+    if len(commands) > 1:  # one process per run: they must not share a GPU context (or a prefix cache)
         fd, results = tempfile.mkstemp(suffix=".jsonl")
         os.close(fd)
-        # the children get every option but these, which are set per child
-        argv = child_argv(
-            sys.argv[1:],
-            ("--engine", "--json", "--structured"),
-            ("--tokenizer", "--only-constrained", "--child"),
-        )
-        for engine, options in jobs:
-            subprocess.run(
-                [sys.executable, __file__, "--engine", engine, "--json", results, "--child", *options, *argv],
-                check=False,
-            )
+        for command in commands:
+            subprocess.run([sys.executable, __file__, "--json", results, *command], check=False)
         with open(results) as f:
             rows = [json.loads(line) for line in f]
         os.unlink(results)

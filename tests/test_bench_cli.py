@@ -77,6 +77,39 @@ def test_latency_table(bench, capsys):
     assert "| TTFT, 8,192-token prompt (ms) | 300.00 | 200.00 | 1.50x |" in out
 
 
+def parsed(bench, monkeypatch, argv: list[str]) -> Namespace:
+    monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
+    return bench.parse_args()
+
+
+@pytest.mark.parametrize("only_constrained", [False, True])
+def test_structured_children_run_what_the_command_asks(bench, monkeypatch, only_constrained):
+    """Every process of a two-engine ``--structured json`` command: the constrained ones really
+    constrained (each engine's), the baselines not, each keeping the shared options."""
+    argv = ["--engine", "nanovllm,vllm", "--structured", "json", "--shape", "qwen3-8b"]
+    argv += ["--only-constrained"] if only_constrained else []
+    parent = parsed(bench, monkeypatch, argv)
+    children = [
+        parsed(bench, monkeypatch, c) for c in bench.child_commands(argv, parent, ["nanovllm", "vllm"])
+    ]
+    runs = [(c.engine, c.structured) for c in children]
+    expected = [
+        (e, s) for e in ("nanovllm", "vllm") for s in (["json"] if only_constrained else ["none", "json"])
+    ]
+    assert runs == expected
+    assert all(c.child and c.shape == "qwen3-8b" and c.tokenizer for c in children)
+    assert all(c.only_constrained == (c.structured == "json") for c in children)
+
+
+def test_one_process_per_engine_without_a_constraint(bench, monkeypatch):
+    argv = ["--engine", "nanovllm,vllm", "--runs", "2"]
+    commands = bench.child_commands(argv, parsed(bench, monkeypatch, argv), ["nanovllm", "vllm"])
+    assert [(c.engine, c.runs, c.structured) for c in (parsed(bench, monkeypatch, c) for c in commands)] == [
+        ("nanovllm", 2, "none"),
+        ("vllm", 2, "none"),
+    ]
+
+
 def test_hf_refuses_latency():
     done = subprocess.run(
         [sys.executable, BENCH, "--engine", "hf", "--latency"], capture_output=True, text=True, timeout=120
