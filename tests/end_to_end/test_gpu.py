@@ -197,7 +197,7 @@ def test_interrupted_generate_then_correct_with_graphs_and_async(
 
 def test_small_batch_gemm_logits_close_to_hf(tmp_path, monkeypatch):
     # wide enough that every projection has a program for each SM: a prompt of 12 tokens, like a
-    # decode batch of 12 rows, takes the small-batch kernel (enabled here) instead of cuBLAS
+    # decode batch of 12 rows, takes the small-batch kernel (enabled here, as by default) instead of cuBLAS
     import nanovllm.kernels.small_batch_gemm as small_batch_gemm_module
     import nanovllm.layers.activation as activation
     import nanovllm.layers.linear as linear

@@ -86,7 +86,7 @@ def test_taken_only_when_enabled_for_small_16_bit_batches_on_cuda(monkeypatch):
     assert not small_batch_gemm_pays(too_many, 1 << 16)
     assert not small_batch_gemm_pays(x.float(), 1 << 16)
     monkeypatch.setattr(small_batch_gemm_module, "ENABLED", False)
-    assert not small_batch_gemm_pays(x, 1 << 16)  # the default: cuBLAS
+    assert not small_batch_gemm_pays(x, 1 << 16)  # NANOVLLM_SMALL_BATCH_GEMM=0: cuBLAS
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the 8B's projections at decode sizes, in bf16 on the GPU")
