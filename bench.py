@@ -111,15 +111,43 @@ def model_dir(args) -> tuple[str, bool]:
 
     path = tempfile.mkdtemp(prefix="nanovllm-bench-")
     if args.tokenizer:
-        from nanovllm.demo_models import write_large_tokenizer
-
         start = time.perf_counter()
-        eos = write_large_tokenizer(path, SHAPES[args.shape]["vocab_size"])
+        eos = copy_bench_tokenizer(path, SHAPES[args.shape]["vocab_size"])
         print(f"tokenizer: {time.perf_counter() - start:.1f} s", flush=True)
         write_config(path, args.shape, eos_token_id=eos, **checkpoint_quantization(args))
     else:
         write_config(path, args.shape, **checkpoint_quantization(args))
     return path, True
+
+
+_EOS_FILE = "eos_token_id"
+
+
+def copy_bench_tokenizer(path: str, vocab_size: int) -> int:
+    """Write :func:`~nanovllm.demo_models.write_large_tokenizer`'s tokenizer into ``path``; return
+    its EOS id. It is deterministic but takes 10-20 s, so each machine builds it once per vocabulary
+    size and version of ``demo_models.py`` (in the temp folder) and every process copies it."""
+    import hashlib
+
+    from nanovllm import demo_models
+
+    with open(demo_models.__file__, "rb") as f:
+        version = hashlib.sha256(f.read()).hexdigest()[:12]
+    cache = os.path.join(tempfile.gettempdir(), f"nanovllm-bench-tokenizer-{vocab_size}-{version}")
+    if not os.path.isdir(cache):
+        building = tempfile.mkdtemp(prefix="nanovllm-bench-tokenizer-")
+        eos = demo_models.write_large_tokenizer(building, vocab_size)
+        with open(os.path.join(building, _EOS_FILE), "w") as f:
+            f.write(str(eos))
+        try:
+            os.rename(building, cache)  # whole or not at all
+        except OSError:  # another process's is there already
+            shutil.rmtree(building, ignore_errors=True)
+    for name in os.listdir(cache):
+        if name != _EOS_FILE:
+            shutil.copy(os.path.join(cache, name), path)
+    with open(os.path.join(cache, _EOS_FILE)) as f:
+        return int(f.read())
 
 
 def checkpoint_quantization(args) -> dict:

@@ -141,3 +141,30 @@ def test_vllm_refill_draws_like_nanovllm():
         values = getattr(model, name).float()
         assert values.abs().max() <= 0.0508  # 0.05 rounded up to e4m3 / bf16
         assert values.std() > 0.02 and (values < 0).any() and (values > 0).any()
+
+
+def test_bench_tokenizer_built_once_then_copied(bench, monkeypatch, tmp_path):
+    from nanovllm import demo_models
+
+    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))
+    built = []
+
+    def fake_build(path, vocab_size):
+        built.append(vocab_size)
+        with open(os.path.join(path, "tokenizer.json"), "w") as f:
+            f.write(f"vocab {vocab_size}")
+        return vocab_size - 7
+
+    monkeypatch.setattr(demo_models, "write_large_tokenizer", fake_build)
+    folders = [tmp_path / f"model{i}" for i in range(3)]
+    for folder in folders:
+        folder.mkdir()
+    eos = [
+        bench.copy_bench_tokenizer(str(folders[0]), 4096),
+        bench.copy_bench_tokenizer(str(folders[1]), 4096),
+    ]
+    eos.append(bench.copy_bench_tokenizer(str(folders[2]), 2048))
+    assert built == [4096, 2048] and eos == [4089, 4089, 2041]
+    assert [sorted(os.listdir(f)) for f in folders] == [["tokenizer.json"]] * 3
+    assert (folders[1] / "tokenizer.json").read_text() == "vocab 4096"
+    assert (folders[2] / "tokenizer.json").read_text() == "vocab 2048"
