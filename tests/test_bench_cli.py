@@ -143,10 +143,13 @@ def test_vllm_refill_draws_like_nanovllm():
         assert values.std() > 0.02 and (values < 0).any() and (values > 0).any()
 
 
-def test_bench_tokenizer_built_once_then_copied(bench, monkeypatch, tmp_path):
+def test_bench_tokenizer_built_once_then_copied(monkeypatch, tmp_path):
+    import tempfile
+
+    from benchmarks.random_checkpoint import copy_bench_tokenizer
     from nanovllm import demo_models
 
-    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     built = []
 
     def fake_build(path, vocab_size):
@@ -160,10 +163,10 @@ def test_bench_tokenizer_built_once_then_copied(bench, monkeypatch, tmp_path):
     for folder in folders:
         folder.mkdir()
     eos = [
-        bench.copy_bench_tokenizer(str(folders[0]), 4096),
-        bench.copy_bench_tokenizer(str(folders[1]), 4096),
+        copy_bench_tokenizer(str(folders[0]), 4096),
+        copy_bench_tokenizer(str(folders[1]), 4096),
     ]
-    eos.append(bench.copy_bench_tokenizer(str(folders[2]), 2048))
+    eos.append(copy_bench_tokenizer(str(folders[2]), 2048))
     assert built == [4096, 2048] and eos == [4089, 4089, 2041]
     assert [sorted(os.listdir(f)) for f in folders] == [["tokenizer.json"]] * 3
     assert (folders[1] / "tokenizer.json").read_text() == "vocab 4096"
