@@ -43,7 +43,8 @@ def _token_bitmask_kernel(
     # signed shift: bit 31 of a negative word still comes out as 1
     allowed = ((w[:, None] >> bits[None, :]) & 1) != 0
     tokens = word[:, None] * 32 + bits[None, :]
-    neg_inf = tl.full((BLOCK // 32, 32), float("-inf"), logits_ptr.dtype.element_ty)
+    # made in fp32 and cast: triton 3.8's interpreter has no bf16 constants
+    neg_inf = tl.full((BLOCK // 32, 32), float("-inf"), tl.float32).to(logits_ptr.dtype.element_ty)
     ptrs = logits_ptr + row * stride_logits + tokens
     tl.store(ptrs, neg_inf, mask=(tokens < vocab_size) & ~allowed)
 
