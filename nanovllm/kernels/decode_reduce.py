@@ -5,7 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.device import pdl_options, wait_for_prior_grid
+from nanovllm.kernels.device import pdl_options, release_dependents, wait_for_prior_grid, weight_prefetch
+from nanovllm.kernels.small_batch_gemm import MAX_ROWS as SMALL_BATCH_ROWS
 
 _REDUCE_CHUNK = 64  # splits combined per reduce step (bounds its registers)
 _REDUCE_BLOCK_D = 32  # head dims per reduce program: more programs, each with a short chain
@@ -32,9 +33,12 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
+    RELEASE: tl.constexpr,
 ):
-    """Combine the per-split partial outputs of one (sequence, query head), BLOCK_D dims."""
+    """Combine the per-split partial outputs of one (sequence, query head), BLOCK_D dims;
+    ``RELEASE``: the next kernel may launch at once."""
     wait_for_prior_grid(PDL)
+    release_dependents(RELEASE)
     head = tl.program_id(0)
     seq = tl.program_id(1)
     row0 = (seq * num_heads + head) * num_splits
@@ -74,4 +78,5 @@ def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> 
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         **pdl_options(part.device),
+        RELEASE=batch <= SMALL_BATCH_ROWS and weight_prefetch(part.device),  # o's GEMM prefetches
     )
