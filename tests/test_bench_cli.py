@@ -1,4 +1,5 @@
-"""bench.py's workload, --fresh-prompts, tables and option checks, without building an engine."""
+"""bench.py's workload, --fresh-prompts, tables, option checks, child processes and random-weight
+folder, without building an engine."""
 
 import importlib.util
 import os
