@@ -5,8 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.device import pdl_options, release_dependents, wait_for_prior_grid, weight_prefetch
-from nanovllm.kernels.small_batch_gemm import MAX_ROWS as SMALL_BATCH_ROWS
+from nanovllm.kernels.device import pdl_options, release_dependents, wait_for_prior_grid
+from nanovllm.kernels.small_batch_gemm import releases_to_prefetch
 
 _REDUCE_CHUNK = 64  # splits combined per reduce step (bounds its registers)
 _REDUCE_BLOCK_D = 32  # head dims per reduce program: more programs, each with a short chain
@@ -78,5 +78,5 @@ def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> 
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         **pdl_options(part.device),
-        RELEASE=batch <= SMALL_BATCH_ROWS and weight_prefetch(part.device),  # o's GEMM prefetches
+        RELEASE=releases_to_prefetch(batch, part.device),  # o's projection follows
     )

@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.device import pdl_options, release_dependents, wait_for_prior_grid, weight_prefetch
+from nanovllm.kernels.device import pdl_options, release_dependents, wait_for_prior_grid
 from nanovllm.kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_per_token_group_ref, round_to_e4m3
-from nanovllm.kernels.small_batch_gemm import MAX_ROWS as SMALL_BATCH_ROWS
+from nanovllm.kernels.small_batch_gemm import releases_to_prefetch
 
 MAX_HIDDEN = 16384  # a row per program, held whole
 
@@ -117,8 +117,7 @@ def _launch(x, weight, eps, residual, out, scale, group: int | None) -> torch.Te
             0 if residual is None else residual.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=block, QUANT=scale is not None, GROUP=group or 0,
             FMAX=FP8_MAX, SMIN=MIN_SCALE, num_warps=min(16, max(4, block // 512)), **pdl_options(x.device),
-            # the bf16 small-batch GEMM after it prefetches its weights
-            RELEASE=scale is None and rows <= SMALL_BATCH_ROWS and weight_prefetch(x.device),
+            RELEASE=scale is None and releases_to_prefetch(rows, x.device),  # (FP8's GEMMs do not prefetch)
         )  # fmt: skip
     return summed
 

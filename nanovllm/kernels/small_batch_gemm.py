@@ -36,7 +36,14 @@ ENABLED = os.environ.get("NANOVLLM_SMALL_BATCH_GEMM", "1") != "0"
 # asked of L2 while the kernel before runs: a norm or reduce at 1-16 rows lasts ~2.5 us, in which
 # the copy rate moves ~10 MB, ~30 KB for each of an 8B projection's ~400 programs
 _PREFETCH_BYTES = 32 * 1024
-_CACHE_LINE = 128
+_CACHE_LINE = tl.constexpr(128)  # bytes
+
+
+def releases_to_prefetch(rows: int, device: torch.device) -> bool:
+    """Whether a kernel over ``rows`` rows that a small-batch GEMM may follow should let it
+    launch early (:func:`~nanovllm.kernels.device.release_dependents`), so that it prefetches
+    its weights meanwhile: with the weight prefetch on, at the rows this GEMM takes."""
+    return rows <= MAX_ROWS and weight_prefetch(device)
 
 
 def small_batch_gemm_ref(
@@ -74,7 +81,7 @@ def _small_batch_gemm_kernel(
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if PREFETCH_LINES:  # the weights do not depend on the kernel before: their first K steps toward L2
-        line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
+        line = _CACHE_LINE * 8 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a line
         lines = tl.arange(0, PREFETCH_LINES) * line
         ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + lines[None, :]
         prefetch_l2(ptrs, (offs_n[:, None] < N) & (lines[None, :] < K))
@@ -133,7 +140,7 @@ def small_batch_gemm(
     if swiglu and (n % 2 or bias is not None):
         raise ValueError(f"swiglu needs interleaved gate/up rows (an even count, not {n}) and no bias")
     block_n, block_k, num_warps, num_stages = tile or _default_tile(swiglu)
-    prefetch_lines = _PREFETCH_BYTES // (block_n * _CACHE_LINE) if weight_prefetch(x.device) else 0
+    prefetch_lines = _PREFETCH_BYTES // (block_n * _CACHE_LINE.value) if weight_prefetch(x.device) else 0
     out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     _small_batch_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, w, w if bias is None else bias, out, m, n, k, x.stride(0),
