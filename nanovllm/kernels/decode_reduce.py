@@ -5,8 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.device import pdl_options, release_dependents, wait_for_prior_grid
-from nanovllm.kernels.small_batch_gemm import releases_to_prefetch
+from nanovllm.kernels.device import pdl_options, wait_for_prior_grid
 
 _REDUCE_CHUNK = 64  # splits combined per reduce step (bounds its registers)
 _REDUCE_BLOCK_D = 32  # head dims per reduce program: more programs, each with a short chain
@@ -33,12 +32,9 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
-    RELEASE: tl.constexpr,
 ):
-    """Combine the per-split partial outputs of one (sequence, query head), BLOCK_D dims;
-    ``RELEASE``: the next kernel may launch at once."""
+    """Combine the per-split partial outputs of one (sequence, query head), BLOCK_D dims."""
     wait_for_prior_grid(PDL)
-    release_dependents(RELEASE)
     head = tl.program_id(0)
     seq = tl.program_id(1)
     row0 = (seq * num_heads + head) * num_splits
@@ -78,5 +74,4 @@ def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> 
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         **pdl_options(part.device),
-        RELEASE=releases_to_prefetch(batch, part.device),  # o's projection follows
     )

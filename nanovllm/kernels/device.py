@@ -1,6 +1,5 @@
 """What the kernels ask of the device they launch on, read once per device: its SM count,
-compute capability, whether kernels launch as programmatic dependents, and whether the weight
-prefetch rides on that (:func:`weight_prefetch`)."""
+compute capability and whether kernels launch as programmatic dependents."""
 
 import functools
 import os
@@ -10,9 +9,6 @@ import triton
 import triton.language as tl
 
 _PDL_AVAILABLE = hasattr(tl.extra.cuda, "gdc_wait") and os.environ.get("NANOVLLM_PDL", "1") != "0"
-_WEIGHT_PREFETCH = (
-    hasattr(tl.extra.cuda, "gdc_launch_dependents") and os.environ.get("NANOVLLM_WEIGHT_PREFETCH", "0") == "1"
-)
 
 _CPU_SMS = 8  # CPU interpreter: any small number keeps the SM-dependent logic exercised
 
@@ -66,35 +62,3 @@ def wait_for_prior_grid(PDL: tl.constexpr):
     of it in the stream has finished and its writes are visible (so no read or write races)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-
-
-def weight_prefetch(device: torch.device) -> bool:
-    """Whether, on ``device``, kernels that a weight-bound GEMM follows let it launch while they
-    run (:func:`release_dependents`) and the GEMM asks L2 for its first weight bytes before it
-    waits for them (:func:`prefetch_l2`): the weights do not depend on the kernel before, so
-    their read overlaps it. Off unless ``NANOVLLM_WEIGHT_PREFETCH=1``; needs programmatic
-    dependent launch (:func:`pdl_options`)."""
-    return _WEIGHT_PREFETCH and pdl_options(device)["PDL"]
-
-
-@triton.jit
-def release_dependents(RELEASE: tl.constexpr):
-    """After :func:`wait_for_prior_grid`: let the next kernel's grid launch now rather than when
-    this one ends. It still waits for this kernel's results at its own wait; what it does before
-    that (:func:`prefetch_l2`) overlaps this kernel."""
-    if RELEASE:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs, mask):
-    """Ask L2 for the cache lines holding ``ptrs`` (where ``mask``), without waiting for them
-    or using registers for their data (CUDA only: PTX)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [ptrs, mask.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )

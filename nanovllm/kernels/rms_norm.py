@@ -6,9 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.device import pdl_options, release_dependents, wait_for_prior_grid
+from nanovllm.kernels.device import pdl_options, wait_for_prior_grid
 from nanovllm.kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_per_token_group_ref, round_to_e4m3
-from nanovllm.kernels.small_batch_gemm import releases_to_prefetch
 
 MAX_HIDDEN = 16384  # a row per program, held whole
 
@@ -53,13 +52,12 @@ def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, sum_ptr, hidden, eps, stride_x, stride_r,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
     FMAX: tl.constexpr, SMIN: tl.constexpr,
-    PDL: tl.constexpr, RELEASE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Token ``program_id(0)``. Not ``QUANT``: the norm stored in ``q_ptr``'s dtype. ``QUANT``:
     rounded to e4m3 with ``GROUP`` 0 one scale for the row, else one per ``GROUP`` features (a
-    power of two dividing ``BLOCK``). ``RELEASE``: the next kernel may launch at once."""
+    power of two dividing ``BLOCK``)."""
     wait_for_prior_grid(PDL)
-    release_dependents(RELEASE)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -117,7 +115,6 @@ def _launch(x, weight, eps, residual, out, scale, group: int | None) -> torch.Te
             0 if residual is None else residual.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=block, QUANT=scale is not None, GROUP=group or 0,
             FMAX=FP8_MAX, SMIN=MIN_SCALE, num_warps=min(16, max(4, block // 512)), **pdl_options(x.device),
-            RELEASE=scale is None and releases_to_prefetch(rows, x.device),  # (FP8's GEMMs do not prefetch)
         )  # fmt: skip
     return summed
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.device import num_sms, pdl_options, prefetch_l2, wait_for_prior_grid, weight_prefetch
+from nanovllm.kernels.device import num_sms, pdl_options, wait_for_prior_grid
 from nanovllm.kernels.gate_up_silu import gate_up_silu_ref, swiglu_of_pairs
 
 MAX_ROWS = 16  # one tile of rows: tl.dot's smallest
@@ -32,18 +32,6 @@ _TILE = (16, 512, 2, 3)
 _SWIGLU_TILE = (32, 256, 2, 4)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ENABLED = os.environ.get("NANOVLLM_SMALL_BATCH_GEMM", "1") != "0"
-# with the weight prefetch on (kernels.device.weight_prefetch), a program's first weight bytes
-# asked of L2 while the kernel before runs: a norm or reduce at 1-16 rows lasts ~2.5 us, in which
-# the copy rate moves ~10 MB, ~30 KB for each of an 8B projection's ~400 programs
-_PREFETCH_BYTES = 32 * 1024
-_CACHE_LINE = tl.constexpr(128)  # bytes
-
-
-def releases_to_prefetch(rows: int, device: torch.device) -> bool:
-    """Whether a kernel over ``rows`` rows that a small-batch GEMM may follow should let it
-    launch early (:func:`~nanovllm.kernels.device.release_dependents`), so that it prefetches
-    its weights meanwhile: with the weight prefetch on, at the rows this GEMM takes."""
-    return rows <= MAX_ROWS and weight_prefetch(device)
 
 
 def small_batch_gemm_ref(
@@ -77,16 +65,10 @@ def _small_batch_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm,
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
 ):  # fmt: skip
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH_LINES:  # the weights do not depend on the kernel before: their first K steps toward L2
-        line = _CACHE_LINE * 8 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a line
-        lines = tl.arange(0, PREFETCH_LINES) * line
-        ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + lines[None, :]
-        prefetch_l2(ptrs, (offs_n[:, None] < N) & (lines[None, :] < K))
     wait_for_prior_grid(PDL)
     offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_tile = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
@@ -140,13 +122,12 @@ def small_batch_gemm(
     if swiglu and (n % 2 or bias is not None):
         raise ValueError(f"swiglu needs interleaved gate/up rows (an even count, not {n}) and no bias")
     block_n, block_k, num_warps, num_stages = tile or _default_tile(swiglu)
-    prefetch_lines = _PREFETCH_BYTES // (block_n * _CACHE_LINE.value) if weight_prefetch(x.device) else 0
     out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     _small_batch_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, w, w if bias is None else bias, out, m, n, k, x.stride(0),
         HAS_BIAS=bias is not None, SWIGLU=swiglu, EVEN_K=k % block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32: ignored for 16-bit inputs
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device), PREFETCH_LINES=prefetch_lines,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )  # fmt: skip
     return out

@@ -4,10 +4,7 @@ linear layers take it."""
 import pytest
 import torch
 
-import nanovllm.kernels.device as device_module
 import nanovllm.kernels.small_batch_gemm as small_batch_gemm_module
-from nanovllm.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
-from nanovllm.kernels.rms_norm import rms_norm, rms_norm_ref
 from nanovllm.kernels.small_batch_gemm import (
     MAX_ROWS,
     small_batch_gemm,
@@ -99,57 +96,16 @@ def test_taken_only_when_enabled_for_small_16_bit_batches_on_cuda(monkeypatch):
     [(4096, 6144, False), (4096, 4096, False), (4096, 24576, False), (4096, 24576, True)]
     + [(12288, 4096, False)],  # the 8B's q/k/v, o, gate/up (alone and with SwiGLU), down
 )
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_decoder_projections_on_cuda(rows, k, n, swiglu, prefetch, monkeypatch):
-    # after an RMSNorm, as in a layer: with the weight prefetch the norm lets the GEMM launch
-    # early, and the GEMM reads its first weight lines toward L2 before waiting for the norm
-    monkeypatch.setattr(device_module, "_WEIGHT_PREFETCH", prefetch)
+def test_decoder_projections_on_cuda(rows, k, n, swiglu):
     gen = torch.Generator().manual_seed(k + n)
-    h = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
-    norm_weight = (1 + torch.randn(k, generator=gen) / 10).to(torch.bfloat16).cuda()
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16).cuda()
-
-    def layer() -> torch.Tensor:
-        return small_batch_gemm(rms_norm(h, norm_weight, 1e-6)[0], w, swiglu=swiglu)
-
     graph = torch.cuda.CUDAGraph()
-    layer()  # compiled outside the capture
+    small_batch_gemm(x, w, swiglu=swiglu)  # compiled outside the capture
     with torch.cuda.graph(graph):
-        got = layer()
+        got = small_batch_gemm(x, w, swiglu=swiglu)
     graph.replay()
-    _close(got, small_batch_gemm_ref(rms_norm_ref(h, norm_weight, 1e-6), w, swiglu=swiglu))
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the weight prefetch is CUDA's (PTX)")
-def test_o_projection_after_split_decode_attention_with_prefetch(monkeypatch):
-    # the split attention's reduce lets o's GEMM launch early, which prefetches before its wait
-    monkeypatch.setattr(device_module, "_WEIGHT_PREFETCH", True)
-    gen = torch.Generator().manual_seed(0)
-    rows, heads, kv_heads, head_dim, block, context = 4, 32, 8, 128, 16, 300
-    blocks = rows * -(-context // block)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).cuda()
-
-    q, k_cache, v_cache = (
-        randn(rows, heads, head_dim),
-        *(randn(blocks, block, kv_heads, head_dim) for _ in "kv"),
-    )
-    tables = torch.arange(blocks, dtype=torch.int32, device="cuda").view(rows, -1)
-    lens = torch.full((rows,), context, dtype=torch.int32, device="cuda")
-    w = randn(4096, heads * head_dim, scale=1 / 64)
-
-    def step() -> torch.Tensor:
-        attended = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.088, num_splits=8)
-        return small_batch_gemm(attended.view(rows, -1), w)
-
-    graph = torch.cuda.CUDAGraph()
-    step()  # compiled outside the capture
-    with torch.cuda.graph(graph):
-        got = step()
-    graph.replay()
-    attended = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.088)
-    _close(got, small_batch_gemm_ref(attended.view(rows, -1), w))
+    _close(got, small_batch_gemm_ref(x, w, swiglu=swiglu))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
