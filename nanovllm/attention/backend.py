@@ -31,6 +31,8 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 1
+    seqlens_q: tuple[int, ...] = ()
+    """Prefill: each sequence's query tokens, on the host (for backends that launch per sequence)."""
     max_seqlen_k: int = 0
     has_prefix: bool = False
     """True when some sequence attends to keys computed in an earlier step."""

@@ -1,13 +1,18 @@
-"""Our own Triton kernels; plain prefill uses torch's varlen flash attention where it exists."""
+"""Our own Triton kernels; long prompts without a cached prefix go to cuDNN on Hopper, other
+plain prefill to torch's varlen flash attention where it exists."""
 
 import inspect
+import logging
 
 import torch
 
 from nanovllm.attention.backend import AttentionBackend, AttentionMetadata
+from nanovllm.attention.cudnn_prefill import cudnn_causal_prefill, cudnn_prefill_supported, takes_prompts
 from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.prefill_attention import paged_prefill_attention
 from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store
+
+logger = logging.getLogger(__name__)
 
 
 def _find_varlen_attn():
@@ -32,10 +37,17 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self.varlen_attn = _find_varlen_attn()
+        self.cudnn_prefill: bool | None = None  # known at the first prefill on CUDA
 
     def prefill(
         self, q, k, v, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        if not meta.has_prefix and q.is_cuda and self._cudnn_takes(q, meta):
+            try:
+                return cudnn_causal_prefill(q, k, v, meta.seqlens_q, scale)
+            except RuntimeError as e:  # e.g. a cuDNN without a fused kernel for these heads
+                logger.warning("cuDNN attention failed (%s); long prompts use the Triton kernel", e)
+                self.cudnn_prefill = False
         if not meta.has_prefix and self.varlen_attn is not None and q.is_cuda and q.dtype != torch.float32:
             return self.varlen_attn(
                 q,
@@ -59,6 +71,11 @@ class TritonBackend(AttentionBackend):
             meta.max_seqlen_q,
             layout=layout,
         )
+
+    def _cudnn_takes(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
+        if self.cudnn_prefill is None:
+            self.cudnn_prefill = cudnn_prefill_supported(q.device)
+        return self.cudnn_prefill and takes_prompts(meta.seqlens_q, q.dtype)
 
     def decode(self, q, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_decode_attention(

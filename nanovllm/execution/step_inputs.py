@@ -171,6 +171,7 @@ class StepInputBuilder:
             cu_seqlens_q=arrays.cu_seqlens_q,
             cu_seqlens_k=arrays.cu_seqlens_k,
             max_seqlen_q=int(q_lens[d:].max()),
+            seqlens_q=tuple(q_lens[d:].tolist()),
             max_seqlen_k=int(context_lens[d:].max()),
             has_prefix=bool(starts[d:].any()),
             decode=decode,

@@ -155,6 +155,29 @@ def test_bf16_logits_close_to_hf(gpu_model_dir, prompts, backend):
     assert ours_err <= 1.5 * hf_err + 0.02, (ours_err, hf_err)
 
 
+def test_long_prompt_logits_close_to_hf(gpu_model_dir, monkeypatch):
+    # long enough for cuDNN's attention where it runs (Hopper), the Triton kernel elsewhere
+    import nanovllm.attention.triton_backend as triton_backend
+    from nanovllm.attention.cudnn_prefill import MIN_PROMPT_TOKENS, cudnn_prefill_supported
+
+    calls = []
+    cudnn = triton_backend.cudnn_causal_prefill
+    monkeypatch.setattr(triton_backend, "cudnn_causal_prefill", lambda *a: calls.append(1) or cudnn(*a))
+    prompt = [3 + 7 * i % 500 for i in range(MIN_PROMPT_TOKENS + 100)]
+    llm = gpu_llm(gpu_model_dir, "triton", True, dtype="bfloat16", max_model_len=4096)
+    try:
+        ours, _ = prefill_logits(llm, prompt)
+    finally:
+        llm.exit()
+    assert len(calls) == (3 if cudnn_prefill_supported(torch.device("cuda")) else 0)  # one a layer
+    ref = hf_logits(gpu_model_dir, prompt, torch.bfloat16, "cuda")
+    exact = hf_logits(gpu_model_dir, prompt, torch.float32, "cuda")
+    # as test_bf16_logits_close_to_hf
+    ours_err = (ours - exact).abs().max().item()
+    hf_err = (ref - exact).abs().max().item()
+    assert ours_err <= 1.5 * hf_err + 0.02, (ours_err, hf_err)
+
+
 def test_long_context_decode_with_graphs(gpu_model_dir):
     prompt = [3 + i % 500 for i in range(1500)]
     llm = gpu_llm(gpu_model_dir, "triton", False, max_model_len=2048)

@@ -53,6 +53,7 @@ def test_a_mixed_step_attends_as_each_row_alone(config, backend, dtype):
     )
     meta = StepInputBuilder(config, torch.device(DEVICE), samples=False).build(batch).meta
     assert meta.is_prefill and meta.num_decode_tokens == 2 and meta.has_prefix
+    assert meta.seqlens_q == (9, 6)  # the prompt rows, on the host
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(dtype)

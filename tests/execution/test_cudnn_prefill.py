@@ -1,0 +1,84 @@
+"""Long prompts without a cached prefix go through cuDNN's attention on Hopper (the Triton
+backend): the attention layer's output against the plain-torch paged reference, one and
+several prompts a step, q/k/v as views of one projection's output as in the model."""
+
+import pytest
+import torch
+
+import nanovllm.attention.triton_backend as triton_backend
+from nanovllm.attention import AttentionMetadata, QKTransform, get_attention_backend
+from nanovllm.attention.cudnn_prefill import (
+    MIN_PROMPT_TOKENS,
+    cudnn_causal_prefill,
+    cudnn_prefill_supported,
+    takes_prompts,
+)
+from nanovllm.kernels.prefill_attention import paged_prefill_attention_ref
+from nanovllm.layers.attention import Attention
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not cudnn_prefill_supported(torch.device("cuda")),
+        reason="needs cuDNN's attention on a Hopper GPU",
+    ),
+]
+BLOCK, HEADS, KV_HEADS, HEAD_DIM = 256, 32, 8, 128
+
+
+def test_takes_only_long_half_precision_prompts():
+    assert takes_prompts((MIN_PROMPT_TOKENS, 5000), torch.bfloat16)
+    assert takes_prompts((MIN_PROMPT_TOKENS,), torch.float16)
+    assert not takes_prompts((MIN_PROMPT_TOKENS, MIN_PROMPT_TOKENS - 1), torch.bfloat16)
+    assert not takes_prompts((5000,), torch.float32)
+    assert not takes_prompts((), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "lengths", [(MIN_PROMPT_TOKENS + 37,), (MIN_PROMPT_TOKENS, 3000, MIN_PROMPT_TOKENS + 5)]
+)
+def test_long_prompts_attend_as_the_paged_reference(lengths, monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        triton_backend, "cudnn_causal_prefill", lambda *a: calls.append(1) or cudnn_causal_prefill(*a)
+    )
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens = sum(lengths)
+    width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qkv = torch.randn(tokens, width, generator=gen, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (
+        x.view(tokens, -1, HEAD_DIM)
+        for x in qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    )
+    blocks = [-(-n // BLOCK) for n in lengths]
+    tables = torch.full((len(lengths), max(blocks)), 0, dtype=torch.int32)
+    slot_mapping, first = [], 0
+    for row, (n, b) in enumerate(zip(lengths, blocks)):
+        tables[row, :b] = torch.arange(first, first + b)
+        slot_mapping += [first * BLOCK + p for p in range(n)]
+        first += b
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(
+        is_prefill=True,
+        slot_mapping=torch.tensor(slot_mapping, device="cuda"),
+        context_lens=torch.tensor(lengths, dtype=torch.int32, device="cuda"),
+        block_tables=tables.cuda(),
+        cu_seqlens_q=cu.cuda(),
+        max_seqlen_q=max(lengths),
+        seqlens_q=lengths,
+    )
+    layer = Attention(HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, get_attention_backend("triton"))
+    cache_shape = (first, BLOCK, KV_HEADS, HEAD_DIM)
+    layer.k_cache = torch.zeros(cache_shape, dtype=torch.bfloat16, device="cuda")
+    layer.v_cache = torch.zeros_like(layer.k_cache)
+    # a rotary table of cos 1, sin 0 leaves q and k as they are: this test is about attention
+    identity = torch.cat((torch.ones(8192, HEAD_DIM // 2), torch.zeros(8192, HEAD_DIM // 2)), dim=-1)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    out = layer(q, k, v, QKTransform(positions.cuda(), identity.cuda()), meta)
+    assert len(calls) == 1
+    assert out.shape == (tokens, HEADS, HEAD_DIM) and out.is_contiguous()
+    cache = (layer.k_cache, layer.v_cache)
+    expected = paged_prefill_attention_ref(
+        q, *cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, HEAD_DIM**-0.5
+    )
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
