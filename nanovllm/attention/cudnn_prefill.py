@@ -32,9 +32,11 @@ def cudnn_prefill_supported(device: torch.device) -> bool:
     )
 
 
-def takes_prompts(seqlens_q: tuple[int, ...], dtype: torch.dtype) -> bool:
-    """Whether prompts of these query lengths (and no cached prefix) go to cuDNN."""
-    half = dtype in (torch.bfloat16, torch.float16)
+def takes_prompts(seqlens_q: tuple[int, ...], dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether prompts of these query lengths (and no cached prefix) go to cuDNN: in 16 bits,
+    over a cache that holds K/V as the step computed them (an 8-bit cache's prompts attend to
+    the rounded K/V they will find there later, through the paged kernel)."""
+    half = dtype in (torch.bfloat16, torch.float16) and cache_dtype == dtype
     return half and bool(seqlens_q) and min(seqlens_q) >= MIN_PROMPT_TOKENS
 
 

@@ -47,7 +47,8 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         if q.is_cuda and not self.plain_prefill_chosen:
             self._choose_plain_prefill(q.device)
-        if not meta.has_prefix and self.cudnn_prefill and takes_prompts(meta.seqlens_q, q.dtype):
+        cudnn = self.cudnn_prefill and not meta.has_prefix
+        if cudnn and takes_prompts(meta.seqlens_q, q.dtype, k_cache.dtype):
             try:
                 return cudnn_causal_prefill(q, k, v, meta.seqlens_q, scale)
             except RuntimeError as e:  # e.g. a cuDNN without a fused kernel for these heads

@@ -1,6 +1,7 @@
 """Long prompts without a cached prefix go through cuDNN's attention on Hopper (the Triton
-backend): the attention layer's output against the plain-torch paged reference, one and
-several prompts a step, q/k/v as views of one projection's output as in the model."""
+backend): which prompts it takes, and on the GPU the attention layer's output against the
+plain-torch paged reference, one and several prompts a step, q/k/v as views of one
+projection's output as in the model."""
 
 import pytest
 import torch
@@ -16,24 +17,25 @@ from nanovllm.attention.cudnn_prefill import (
 from nanovllm.kernels.prefill_attention import paged_prefill_attention_ref
 from nanovllm.layers.attention import Attention
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or not cudnn_prefill_supported(torch.device("cuda")),
-        reason="needs cuDNN's attention on a Hopper GPU",
-    ),
-]
+on_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or not cudnn_prefill_supported(torch.device("cuda")),
+    reason="needs cuDNN's attention on a Hopper GPU",
+)
 BLOCK, HEADS, KV_HEADS, HEAD_DIM = 256, 32, 8, 128
 
 
-def test_takes_only_long_half_precision_prompts():
-    assert takes_prompts((MIN_PROMPT_TOKENS, 5000), torch.bfloat16)
-    assert takes_prompts((MIN_PROMPT_TOKENS,), torch.float16)
-    assert not takes_prompts((MIN_PROMPT_TOKENS, MIN_PROMPT_TOKENS - 1), torch.bfloat16)
-    assert not takes_prompts((5000,), torch.float32)
-    assert not takes_prompts((), torch.bfloat16)
+def test_takes_only_long_half_precision_prompts_over_a_cache_of_their_dtype():
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert takes_prompts((MIN_PROMPT_TOKENS, 5000), bf16, bf16)
+    assert takes_prompts((MIN_PROMPT_TOKENS,), fp16, fp16)
+    assert not takes_prompts((MIN_PROMPT_TOKENS, MIN_PROMPT_TOKENS - 1), bf16, bf16)
+    assert not takes_prompts((5000,), torch.float32, torch.float32)
+    assert not takes_prompts((5000,), bf16, torch.float8_e4m3fn)
+    assert not takes_prompts((), bf16, bf16)
 
 
+@pytest.mark.gpu
+@on_hopper
 @pytest.mark.parametrize(
     "lengths", [(MIN_PROMPT_TOKENS + 37,), (MIN_PROMPT_TOKENS, 3000, MIN_PROMPT_TOKENS + 5)]
 )
