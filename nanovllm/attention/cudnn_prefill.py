@@ -22,11 +22,10 @@ ENABLED = os.environ.get("NANOVLLM_CUDNN_PREFILL", "1") != "0"
 
 
 def cudnn_prefill_supported(device: torch.device) -> bool:
-    """Whether :func:`cudnn_causal_prefill` may run on ``device``: enabled, CUDA with cuDNN,
-    compute capability 9.0 or newer (where its fused attention was measured)."""
+    """Whether :func:`cudnn_causal_prefill` runs on ``device``: CUDA with cuDNN, compute
+    capability 9.0 or newer (where its fused attention was measured)."""
     return (
-        ENABLED
-        and device.type == "cuda"
+        device.type == "cuda"
         and torch.backends.cudnn.is_available()
         and torch.cuda.get_device_capability(device) >= (9, 0)
     )

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from nanovllm.attention import cudnn_prefill
 from nanovllm.attention.backend import AttentionBackend, AttentionMetadata
 from nanovllm.attention.cudnn_prefill import cudnn_causal_prefill, cudnn_prefill_supported, takes_prompts
 from nanovllm.kernels.decode_attention import paged_decode_attention
@@ -81,7 +82,7 @@ class TritonBackend(AttentionBackend):
     def _choose_plain_prefill(self, device: torch.device) -> None:
         # On Hopper the paged kernel outruns torch's varlen attention (FlashAttention 2: 318
         # against 423 TFLOP/s at 8k tokens on an H100), and cuDNN outruns both on long prompts.
-        self.cudnn_prefill = cudnn_prefill_supported(device)
+        self.cudnn_prefill = cudnn_prefill.ENABLED and cudnn_prefill_supported(device)
         if torch.cuda.get_device_capability(device) < (9, 0):
             self.varlen_attn = _find_varlen_attn()
         self.plain_prefill_chosen = True

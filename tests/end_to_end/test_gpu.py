@@ -157,9 +157,11 @@ def test_bf16_logits_close_to_hf(gpu_model_dir, prompts, backend):
 
 def test_long_prompt_logits_close_to_hf(gpu_model_dir, monkeypatch):
     # long enough for cuDNN's attention where it runs (Hopper), the Triton kernel elsewhere
+    import nanovllm.attention.cudnn_prefill as cudnn_prefill
     import nanovllm.attention.triton_backend as triton_backend
     from nanovllm.attention.cudnn_prefill import MIN_PROMPT_TOKENS, cudnn_prefill_supported
 
+    monkeypatch.setattr(cudnn_prefill, "ENABLED", True)  # as by default
     calls = []
     cudnn = triton_backend.cudnn_causal_prefill
     monkeypatch.setattr(triton_backend, "cudnn_causal_prefill", lambda *a: calls.append(1) or cudnn(*a))

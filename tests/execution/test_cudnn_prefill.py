@@ -6,6 +6,7 @@ projection's output as in the model."""
 import pytest
 import torch
 
+import nanovllm.attention.cudnn_prefill as cudnn_prefill
 import nanovllm.attention.triton_backend as triton_backend
 from nanovllm.attention import AttentionMetadata, QKTransform, get_attention_backend
 from nanovllm.attention.cudnn_prefill import (
@@ -40,6 +41,7 @@ def test_takes_only_long_half_precision_prompts_over_a_cache_of_their_dtype():
     "lengths", [(MIN_PROMPT_TOKENS + 37,), (MIN_PROMPT_TOKENS, 3000, MIN_PROMPT_TOKENS + 5)]
 )
 def test_long_prompts_attend_as_the_paged_reference(lengths, monkeypatch):
+    monkeypatch.setattr(cudnn_prefill, "ENABLED", True)  # as by default
     calls = []
     monkeypatch.setattr(
         triton_backend, "cudnn_causal_prefill", lambda *a: calls.append(1) or cudnn_causal_prefill(*a)
