@@ -5,8 +5,8 @@ than our paged Triton kernel (558 against 423 TFLOP/s on an H100; `benchmarks/ME
 reading K/V from the step itself rather than the cache. It takes one dense sequence a call, so
 it serves steps whose prompts are all long: a few launches a layer, each near its peak.
 
-On by default where it runs; ``NANOVLLM_CUDNN_PREFILL=0`` in the environment keeps the Triton
-kernel for every prompt.
+Off by default until measured end to end and tested on a GPU: ``NANOVLLM_CUDNN_PREFILL=1`` in
+the environment turns it on.
 """
 
 import os
@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 MIN_PROMPT_TOKENS = 2048
 """The shortest prompt worth a launch of its own (measured faster from 2,048 tokens)."""
 
-ENABLED = os.environ.get("NANOVLLM_CUDNN_PREFILL", "1") != "0"
+ENABLED = os.environ.get("NANOVLLM_CUDNN_PREFILL", "0") == "1"
 
 
 def cudnn_prefill_supported(device: torch.device) -> bool:

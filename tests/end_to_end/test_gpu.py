@@ -161,7 +161,7 @@ def test_long_prompt_logits_close_to_hf(gpu_model_dir, monkeypatch):
     import nanovllm.attention.triton_backend as triton_backend
     from nanovllm.attention.cudnn_prefill import MIN_PROMPT_TOKENS, cudnn_prefill_supported
 
-    monkeypatch.setattr(cudnn_prefill, "ENABLED", True)  # as by default
+    monkeypatch.setattr(cudnn_prefill, "ENABLED", True)
     calls = []
     cudnn = triton_backend.cudnn_causal_prefill
     monkeypatch.setattr(triton_backend, "cudnn_causal_prefill", lambda *a: calls.append(1) or cudnn(*a))

@@ -41,7 +41,7 @@ def test_takes_only_long_half_precision_prompts_over_a_cache_of_their_dtype():
     "lengths", [(MIN_PROMPT_TOKENS + 37,), (MIN_PROMPT_TOKENS, 3000, MIN_PROMPT_TOKENS + 5)]
 )
 def test_long_prompts_attend_as_the_paged_reference(lengths, monkeypatch):
-    monkeypatch.setattr(cudnn_prefill, "ENABLED", True)  # as by default
+    monkeypatch.setattr(cudnn_prefill, "ENABLED", True)
     calls = []
     monkeypatch.setattr(
         triton_backend, "cudnn_causal_prefill", lambda *a: calls.append(1) or cudnn_causal_prefill(*a)
