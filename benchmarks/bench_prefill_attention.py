@@ -2,8 +2,8 @@
 
 Run from the project root: ``PYTHONPATH=. python3 benchmarks/bench_prefill_attention.py``.
 Our paged kernel (K/V from the cache), which the Triton backend runs for prompts after a cached
-prefix, and for every prompt where torch has no GQA-capable varlen flash attention; with no
-prefix, also torch's varlen attention (K/V from the step itself) where it exists.
+prefix and for most others; with no prefix, also torch's varlen attention (K/V from the step
+itself) where it exists and cuDNN's (``nanovllm/attention/cudnn_prefill.py``) on Hopper.
 FLOPs count what causal attention must do: 4 * heads * head_dim * (new * prefix + new**2 / 2)
 per sequence.
 
@@ -20,6 +20,7 @@ from unittest import mock
 import torch
 from triton.testing import do_bench
 
+from nanovllm.attention.cudnn_prefill import cudnn_causal_prefill, cudnn_prefill_supported
 from nanovllm.attention.triton_backend import _find_varlen_attn
 from nanovllm.kernels import prefill_attention
 from nanovllm.kernels.prefill_attention import PrefillLaunch, paged_prefill_attention
@@ -41,7 +42,8 @@ def attention_flops(heads: int, head_dim: int, prefix: int, new: int, batch: int
 
 
 def bench(shape: str, batch: int, prefix: int, new: int, rep_ms: int) -> list[tuple[str, float]]:
-    """TFLOP/s of our paged kernel and, with no prefix, of torch's varlen flash attention."""
+    """TFLOP/s of our paged kernel and, with no prefix, of torch's varlen flash attention and
+    cuDNN's (one call a sequence, as the Triton backend makes them on Hopper)."""
     heads, kv_heads, head_dim = SHAPES[shape]
     q = torch.randn(batch * new, heads, head_dim, dtype=DTYPE, device="cuda")
     cu_q = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device="cuda")
@@ -49,16 +51,19 @@ def bench(shape: str, batch: int, prefix: int, new: int, rep_ms: int) -> list[tu
     flops = attention_flops(heads, head_dim, prefix, new, batch)
     results = []
     if prefix == 0:
+        k = torch.randn(batch * new, kv_heads, head_dim, dtype=DTYPE, device="cuda")
+        v = torch.randn_like(k)
         varlen = _find_varlen_attn()
         if varlen is None:
             results.append(("varlen (missing)", float("nan")))
         else:
-            k = torch.randn(batch * new, kv_heads, head_dim, dtype=DTYPE, device="cuda")
-            v = torch.randn_like(k)
             ms = do_bench(
                 lambda: varlen(q, k, v, cu_q, cu_q, new, new, scale=scale, enable_gqa=True), rep=rep_ms
             )
             results.append(("varlen flash", flops / ms / 1e9))
+        if cudnn_prefill_supported(q.device):
+            ms = do_bench(lambda: cudnn_causal_prefill(q, k, v, (new,) * batch, scale), rep=rep_ms)
+            results.append(("cuDNN", flops / ms / 1e9))
     blocks_per_seq = -(-(prefix + new) // BLOCK)
     shape4 = (batch * blocks_per_seq, BLOCK, kv_heads, head_dim)
     k_cache = torch.randn(shape4, dtype=DTYPE, device="cuda")
