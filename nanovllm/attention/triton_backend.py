@@ -40,7 +40,7 @@ class TritonBackend(AttentionBackend):
     def __init__(self) -> None:
         # for prompts with no cached prefix, chosen at the first prefill on CUDA
         self.plain_prefill_chosen = False
-        self.cudnn_prefill = False
+        self.use_cudnn = False
         self.varlen_attn: Callable[..., torch.Tensor] | None = None
 
     def prefill(
@@ -48,13 +48,13 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         if q.is_cuda and not self.plain_prefill_chosen:
             self._choose_plain_prefill(q.device)
-        cudnn = self.cudnn_prefill and not meta.has_prefix
+        cudnn = self.use_cudnn and not meta.has_prefix
         if cudnn and takes_prompts(meta.seqlens_q, q.dtype, k_cache.dtype):
             try:
                 return cudnn_causal_prefill(q, k, v, meta.seqlens_q, scale)
             except RuntimeError as e:  # e.g. a cuDNN without a fused kernel for these heads
                 logger.warning("cuDNN attention failed (%s); long prompts use the Triton kernel", e)
-                self.cudnn_prefill = False
+                self.use_cudnn = False
         if not meta.has_prefix and self.varlen_attn is not None and q.is_cuda and q.dtype != torch.float32:
             return self.varlen_attn(
                 q,
@@ -82,7 +82,7 @@ class TritonBackend(AttentionBackend):
     def _choose_plain_prefill(self, device: torch.device) -> None:
         # On Hopper the paged kernel outruns torch's varlen attention (FlashAttention 2: 318
         # against 423 TFLOP/s at 8k tokens on an H100), and cuDNN outruns both on long prompts.
-        self.cudnn_prefill = cudnn_prefill.ENABLED and cudnn_prefill_supported(device)
+        self.use_cudnn = cudnn_prefill.ENABLED and cudnn_prefill_supported(device)
         if torch.cuda.get_device_capability(device) < (9, 0):
             self.varlen_attn = _find_varlen_attn()
         self.plain_prefill_chosen = True
