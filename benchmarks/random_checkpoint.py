@@ -19,13 +19,12 @@ def model_dir(args) -> tuple[str, bool]:
     if args.model:
         return os.path.expanduser(args.model), False
     path = tempfile.mkdtemp(prefix="nanovllm-bench-")
+    options = checkpoint_quantization(args)
     if args.tokenizer:
         start = time.perf_counter()
-        eos = copy_bench_tokenizer(path, SHAPES[args.shape]["vocab_size"])
+        options["eos_token_id"] = copy_bench_tokenizer(path, SHAPES[args.shape]["vocab_size"])
         print(f"tokenizer: {time.perf_counter() - start:.1f} s", flush=True)
-        write_config(path, args.shape, eos_token_id=eos, **checkpoint_quantization(args))
-    else:
-        write_config(path, args.shape, **checkpoint_quantization(args))
+    write_config(path, args.shape, **options)
     return path, True
 
 

@@ -49,6 +49,16 @@ def gpu_llm(model_dir: str, backend: str, eager: bool, **options) -> LLM:
     )
 
 
+def assert_bf16_logits_as_close_as_hf(ours: torch.Tensor, model_dir: str, prompt: list[int]) -> None:
+    """The stated tolerance: our bf16 logits' error against HF in fp32 is no worse than 1.5x HF's
+    own bf16 error (+ slack)."""
+    ref = hf_logits(model_dir, prompt, torch.bfloat16, "cuda")
+    exact = hf_logits(model_dir, prompt, torch.float32, "cuda")
+    ours_err = (ours - exact).abs().max().item()
+    hf_err = (ref - exact).abs().max().item()
+    assert ours_err <= 1.5 * hf_err + 0.02, (ours_err, hf_err)
+
+
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_matches_hf(gpu_model_dir, prompts, hf_reference, backend, eager):
@@ -147,12 +157,7 @@ def test_bf16_logits_close_to_hf(gpu_model_dir, prompts, backend):
         ours, _ = prefill_logits(llm, prompt)
     finally:
         llm.exit()
-    ref = hf_logits(gpu_model_dir, prompt, torch.bfloat16, "cuda")
-    exact = hf_logits(gpu_model_dir, prompt, torch.float32, "cuda")
-    # stated tolerance: our bf16 error vs fp32 is no worse than 1.5x HF's own bf16 error (+ slack)
-    ours_err = (ours - exact).abs().max().item()
-    hf_err = (ref - exact).abs().max().item()
-    assert ours_err <= 1.5 * hf_err + 0.02, (ours_err, hf_err)
+    assert_bf16_logits_as_close_as_hf(ours, gpu_model_dir, prompt)
 
 
 def test_long_prompt_logits_close_to_hf(gpu_model_dir, monkeypatch):
@@ -172,12 +177,7 @@ def test_long_prompt_logits_close_to_hf(gpu_model_dir, monkeypatch):
     finally:
         llm.exit()
     assert len(calls) == (3 if cudnn_prefill_supported(torch.device("cuda")) else 0)  # one a layer
-    ref = hf_logits(gpu_model_dir, prompt, torch.bfloat16, "cuda")
-    exact = hf_logits(gpu_model_dir, prompt, torch.float32, "cuda")
-    # as test_bf16_logits_close_to_hf
-    ours_err = (ours - exact).abs().max().item()
-    hf_err = (ref - exact).abs().max().item()
-    assert ours_err <= 1.5 * hf_err + 0.02, (ours_err, hf_err)
+    assert_bf16_logits_as_close_as_hf(ours, gpu_model_dir, prompt)
 
 
 def test_long_context_decode_with_graphs(gpu_model_dir):
@@ -250,9 +250,4 @@ def test_small_batch_gemm_logits_close_to_hf(tmp_path, monkeypatch):
     finally:
         llm.exit()
     assert len(calls) == 2 * 4  # q/k/v, o, gate/up (with SwiGLU), down of both layers; not the LM head
-    ref = hf_logits(model_dir, prompt, torch.bfloat16, "cuda")
-    exact = hf_logits(model_dir, prompt, torch.float32, "cuda")
-    # as test_bf16_logits_close_to_hf: our bf16 error no worse than 1.5x HF's own (+ slack)
-    ours_err = (ours - exact).abs().max().item()
-    hf_err = (ref - exact).abs().max().item()
-    assert ours_err <= 1.5 * hf_err + 0.02, (ours_err, hf_err)
+    assert_bf16_logits_as_close_as_hf(ours, model_dir, prompt)
