@@ -48,25 +48,10 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         if q.is_cuda and not self.plain_prefill_chosen:
             self._choose_plain_prefill(q.device)
-        cudnn = self.use_cudnn and not meta.has_prefix
-        if cudnn and takes_prompts(meta.seqlens_q, q.dtype, k_cache.dtype):
-            try:
-                return cudnn_causal_prefill(q, k, v, meta.seqlens_q, scale)
-            except RuntimeError as e:  # e.g. a cuDNN without a fused kernel for these heads
-                logger.warning("cuDNN attention failed (%s); long prompts use the Triton kernel", e)
-                self.use_cudnn = False
-        if not meta.has_prefix and self.varlen_attn is not None and q.is_cuda and q.dtype != torch.float32:
-            return self.varlen_attn(
-                q,
-                k,
-                v,
-                meta.cu_seqlens_q,
-                meta.cu_seqlens_q,
-                meta.max_seqlen_q,
-                meta.max_seqlen_q,
-                scale=scale,
-                enable_gqa=True,
-            )
+        if not meta.has_prefix:
+            plain = self._plain_prefill(q, k, v, k_cache.dtype, meta, scale)
+            if plain is not None:
+                return plain
         return paged_prefill_attention(
             q,
             k_cache,
@@ -78,6 +63,22 @@ class TritonBackend(AttentionBackend):
             meta.max_seqlen_q,
             layout=layout,
         )
+
+    def _plain_prefill(
+        self, q, k, v, cache_dtype, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor | None:
+        """Prompts with no cached prefix through cuDNN or varlen attention where chosen, from
+        the step's own K/V; None leaves them to the paged kernel."""
+        if self.use_cudnn and takes_prompts(meta.seqlens_q, q.dtype, cache_dtype):
+            try:
+                return cudnn_causal_prefill(q, k, v, meta.seqlens_q, scale)
+            except RuntimeError as e:  # e.g. a cuDNN without a fused kernel for these heads
+                logger.warning("cuDNN attention failed (%s); long prompts use the Triton kernel", e)
+                self.use_cudnn = False
+        if self.varlen_attn is None or q.dtype == torch.float32:  # (chosen on CUDA only)
+            return None
+        cu, longest = meta.cu_seqlens_q, meta.max_seqlen_q
+        return self.varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, enable_gqa=True)
 
     def _choose_plain_prefill(self, device: torch.device) -> None:
         # On Hopper the paged kernel outruns torch's varlen attention (FlashAttention 2: 318
