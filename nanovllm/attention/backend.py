@@ -117,6 +117,18 @@ class AttentionBackend:
             q, k, v, t.positions, t.cos_sin_cache, *norms, k_cache, v_cache, slot_mapping, layout=layout
         )
 
+    def warm_up(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        dtype: torch.dtype,
+        k_cache: torch.Tensor,
+        max_prompt_tokens: int,
+    ) -> None:
+        """Start-up work for a layer of these heads, done before any step (none by default)."""
+
     def prefill(
         self,
         q: torch.Tensor,

@@ -9,7 +9,12 @@ import torch
 
 from nanovllm.attention import cudnn_prefill
 from nanovllm.attention.backend import AttentionBackend, AttentionMetadata
-from nanovllm.attention.cudnn_prefill import cudnn_causal_prefill, cudnn_prefill_supported, takes_prompts
+from nanovllm.attention.cudnn_prefill import (
+    build_plans,
+    cudnn_causal_prefill,
+    cudnn_prefill_supported,
+    takes_prompts,
+)
 from nanovllm.kernels.decode_attention import paged_decode_attention
 from nanovllm.kernels.prefill_attention import paged_prefill_attention
 from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store
@@ -79,6 +84,21 @@ class TritonBackend(AttentionBackend):
             return None
         cu, longest = meta.cu_seqlens_q, meta.max_seqlen_q
         return self.varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, enable_gqa=True)
+
+    def warm_up(self, num_heads, num_kv_heads, head_dim, scale, dtype, k_cache, max_prompt_tokens) -> None:
+        if not k_cache.is_cuda:
+            return
+        if not self.plain_prefill_chosen:
+            self._choose_plain_prefill(k_cache.device)
+        if self.use_cudnn and takes_prompts((max_prompt_tokens,), dtype, k_cache.dtype):
+            try:
+                built = build_plans(
+                    num_heads, num_kv_heads, head_dim, scale, dtype, k_cache.device, max_prompt_tokens
+                )
+                logger.info("cuDNN attention: plans built for %d prompt lengths", built)
+            except RuntimeError as e:
+                logger.warning("cuDNN attention failed (%s); long prompts use the Triton kernel", e)
+                self.use_cudnn = False
 
     def _choose_plain_prefill(self, device: torch.device) -> None:
         # On Hopper the paged kernel outruns torch's varlen attention (FlashAttention 2: 318

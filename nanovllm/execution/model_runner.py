@@ -181,9 +181,12 @@ class ModelRunner:
             placeholder.release()
 
     def _warm_up(self) -> None:
-        """The steps of :func:`warm_up_lens`, each sampled (so the sampler compiles too)."""
+        """The steps of :func:`warm_up_lens`, each sampled (so the sampler compiles too), then
+        the attention backend's own start-up work (cuDNN's plans, where it takes prompts)."""
         for lens, prefix in warm_up_lens(self.config):
             self.run(dummy_batch(lens, self.config.kvcache_block_size, prefix))
+        longest = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        self.kv_cache.layers[0].warm_up(longest, getattr(torch, self.config.dtype))  # layers alike
         torch.cuda.synchronize()
 
     def _capture_decode_graphs(self) -> DecodeGraphs:

@@ -25,6 +25,19 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.kv_layout = KVLayout.DIM_MAJOR
 
+    def warm_up(self, max_prompt_tokens: int, dtype: torch.dtype) -> None:
+        """The backend's start-up work for this layer's shapes (see
+        :meth:`~nanovllm.attention.AttentionBackend.warm_up`)."""
+        self.backend.warm_up(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.scale,
+            dtype,
+            self.k_cache,
+            max_prompt_tokens,
+        )
+
     def forward(
         self,
         q: torch.Tensor,

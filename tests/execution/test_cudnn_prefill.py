@@ -5,12 +5,15 @@ projection's output as in the model."""
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend
 
 import nanovllm.attention.cudnn_prefill as cudnn_prefill
 import nanovllm.attention.triton_backend as triton_backend
 from nanovllm.attention import AttentionMetadata, QKTransform, get_attention_backend
 from nanovllm.attention.cudnn_prefill import (
     MIN_PROMPT_TOKENS,
+    bucket_length,
+    bucket_lengths,
     cudnn_causal_prefill,
     cudnn_prefill_supported,
     takes_prompts,
@@ -33,6 +36,51 @@ def test_takes_only_long_half_precision_prompts_over_a_cache_of_their_dtype():
     assert not takes_prompts((5000,), torch.float32, torch.float32)
     assert not takes_prompts((5000,), bf16, torch.float8_e4m3fn)
     assert not takes_prompts((), bf16, bf16)
+
+
+def test_buckets_pad_under_an_eighth_and_are_their_own_buckets():
+    assert bucket_length(MIN_PROMPT_TOKENS) == MIN_PROMPT_TOKENS
+    assert [bucket_length(n) for n in (2049, 2304, 2305, 4097, 8192, 8193)] == [
+        2304,
+        2304,
+        2560,
+        4608,
+        8192,
+        9216,
+    ]
+    for n in range(MIN_PROMPT_TOKENS, 20_000, 7):
+        b = bucket_length(n)
+        assert n <= b < n * 9 / 8 and bucket_length(b) == b
+    buckets = bucket_lengths(16384)
+    assert buckets[0] == MIN_PROMPT_TOKENS and buckets[-1] == 16384 and len(buckets) == 25
+    assert buckets == sorted(set(bucket_length(n) for n in range(MIN_PROMPT_TOKENS, 16385)))
+    assert bucket_lengths(5000)[-1] == bucket_length(5000)
+
+
+def test_prompts_padded_to_their_bucket_attend_as_unpadded(monkeypatch):
+    # the padding logic on CPU, through SDPA's plain implementation
+    monkeypatch.setattr(cudnn_prefill, "_BACKENDS", [SDPBackend.MATH])
+    lengths, heads, kv_heads, dim = (40, 64, 33), 4, 2, 16
+    monkeypatch.setattr(cudnn_prefill, "bucket_length", lambda n: -(-n // 32) * 32)  # 64, 64, 64
+    tokens = sum(lengths)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, dtype=torch.float64)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    out = cudnn_causal_prefill(q, k, v, lengths, 0.3)
+    start = 0
+    for n in lengths:
+        qs, ks, vs = (x[start : start + n].transpose(0, 1) for x in (q, k, v))
+        ks, vs = (x.repeat_interleave(heads // kv_heads, dim=0) for x in (ks, vs))
+        expected = (
+            torch.softmax(
+                (qs @ ks.transpose(1, 2) * 0.3).masked_fill(
+                    torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")
+                ),
+                dim=-1,
+            )
+            @ vs
+        )
+        torch.testing.assert_close(out[start : start + n], expected.transpose(0, 1))
+        start += n
 
 
 @pytest.mark.gpu
