@@ -109,9 +109,9 @@ def build_plans(
 
 
 def _packed(tokens, num_heads, num_kv_heads, head_dim, dtype, device) -> tuple[torch.Tensor, ...]:
-    """q, k, v as views of one new ``[tokens, heads + 2 * kv_heads, head_dim]`` tensor, so their
-    strides are the engine's (the plan cache keys on strides too)."""
-    qkv = torch.zeros(tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
+    """q, k, v as views of one new, uninitialised ``[tokens, heads + 2 * kv_heads, head_dim]``
+    tensor, so their strides are the engine's (the plan cache keys on strides too)."""
+    qkv = torch.empty(tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
     return tuple(qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1))
 
 
