@@ -5,11 +5,11 @@ than our paged Triton kernel (558 against 423 TFLOP/s on an H100; `benchmarks/ME
 reading K/V from the step itself rather than the cache. It takes one dense sequence a call, so
 it serves steps whose prompts are all long: a few launches a layer, each near its peak.
 
-Off by default (``NANOVLLM_CUDNN_PREFILL=1`` in the environment turns it on): it takes 12.5 ms
-off the 8B's 8k-token first token on an H200, but cuDNN builds a plan for every prompt length
-on its first call at that length, ~47 ms. So prompts are padded at their end to one of a few
-bucket lengths (:func:`bucket_length`), whose plans the engine builds at start-up
-(:func:`build_plans`, ~25 for a 16k-token budget); on by default once that is measured.
+cuDNN builds a plan for every prompt length on its first call at that length (~45 ms, more
+than a prompt gains), so prompts are padded at their end to one of a few bucket lengths
+(:func:`bucket_length`), whose plans the engine builds at start-up (:func:`build_plans`, 25 for
+a 16k-token budget, ~1 s). On by default: -10 to -12 ms on the 8B's 8k-token first token on an
+H100; ``NANOVLLM_CUDNN_PREFILL=0`` in the environment keeps the paged kernel, to measure it.
 """
 
 import os
@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 MIN_PROMPT_TOKENS = 2048
 """The shortest prompt worth a launch of its own (measured faster from 2,048 tokens)."""
 
-ENABLED = os.environ.get("NANOVLLM_CUDNN_PREFILL", "0") == "1"
+ENABLED = os.environ.get("NANOVLLM_CUDNN_PREFILL", "1") != "0"
 
 
 def cudnn_prefill_supported(device: torch.device) -> bool:
