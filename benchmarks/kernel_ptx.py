@@ -35,7 +35,7 @@ def compile_ptx(kernel, pointers: dict[str, str], constexprs: dict, num_warps: i
             return "constexpr"
         if name in pointers:
             return "*" + pointers[name]
-        return "fp32" if name == "qk_scale" else "i32"
+        return "fp32" if name in ("qk_scale", "eps") else "i32"
 
     # pointers and integers that Triton's launcher would mark divisible by 16
     divisible = [n for n in names if arg_type(n) == "i32" or n in pointers]
@@ -51,9 +51,10 @@ _BLOCK_SIZE = 128
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8e4nv": torch.float8_e4m3fn}
 
 
-def decode_ptx(cache_dtype: str, num_splits: int):
+def decode_ptx(cache_dtype: str, num_splits: int, prologue: bool = False):
     """The decode kernel as ``paged_decode_attention`` launches it with ``num_splits`` splits
-    (``cache_dtype``: bf16, fp8e4nv) over the engine's cache layout."""
+    (``cache_dtype``: bf16, fp8e4nv) over the engine's cache layout, with the q/k prologue
+    inside (Qwen3's norms) or not."""
     torch_dtype = _TORCH_DTYPES[cache_dtype]
     layout = KVLayout.for_dtype(torch_dtype)
     launch = decode_attention.launch_settings(
@@ -63,11 +64,14 @@ def decode_ptx(cache_dtype: str, num_splits: int):
     pointers = dict(
         q_ptr="bf16", k_cache_ptr=cache_dtype, v_cache_ptr=cache_dtype, block_tables_ptr="i32",
         context_lens_ptr="i32", order_ptr="i32", out_ptr=partial_dtype, lse_ptr=partial_dtype,
+        new_k_ptr="bf16", new_v_ptr="bf16", positions_ptr="i64", cos_sin_ptr="fp32", q_weight_ptr="bf16",
+        k_weight_ptr="bf16", slot_mapping_ptr="i32",
     )  # fmt: skip
     constexprs = dict(
         GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=_BLOCK_SIZE, BLOCK_N=launch.block_n,
         SPLIT_ALIGN=launch.split_align, FINAL=num_splits == 1, HAS_ORDER=False,
         V_TOKEN_MAJOR=layout.v_token_major, DOT_PRECISION="tf32", F16_DOT=launch.f16_dot,
+        PROLOGUE=prologue, HAS_NORM=prologue, NUM_KV_HEADS=8, V_LARGEST=torch.finfo(torch_dtype).max,
     )  # fmt: skip
     kernel = decode_attention._decode_split_kernel
     return compile_ptx(kernel, pointers, constexprs, launch.num_warps, launch.num_stages)
@@ -101,6 +105,7 @@ def main() -> None:
         for label, (ptx, shared) in (
             (f"decode attention, {dtype} cache, one split", decode_ptx(dtype, 1)),
             (f"decode attention, {dtype} cache, splits", decode_ptx(dtype, 8)),
+            (f"decode attention, {dtype} cache, splits, q/k prologue", decode_ptx(dtype, 8, prologue=True)),
             (f"prefill attention, {dtype} cache", prefill_ptx(dtype)),
         ):
             print(f"{label}: {shared} B shared memory")

@@ -152,3 +152,20 @@ class AttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def prepare_and_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        layout: KVLayout,
+        meta: AttentionMetadata,
+        t: QKTransform,
+        scale: float,
+    ) -> torch.Tensor:
+        """A decode step's attention from the projection's q, k and v: :meth:`prepare`, then
+        :meth:`decode` (a backend may do the two in fewer launches)."""
+        q, _ = self.prepare(q, k, v, k_cache, v_cache, layout, meta.slot_mapping, t)
+        return self.decode(q, k_cache, v_cache, layout, meta, scale)

@@ -8,14 +8,14 @@ from collections.abc import Callable
 import torch
 
 from nanovllm.attention import cudnn_prefill
-from nanovllm.attention.backend import AttentionBackend, AttentionMetadata
+from nanovllm.attention.backend import AttentionBackend, AttentionMetadata, QKTransform
 from nanovllm.attention.cudnn_prefill import (
     build_plans,
     cudnn_causal_prefill,
     cudnn_prefill_supported,
     takes_prompts,
 )
-from nanovllm.kernels.decode_attention import paged_decode_attention
+from nanovllm.kernels.decode_attention import DecodePrologue, paged_decode_attention
 from nanovllm.kernels.prefill_attention import paged_prefill_attention
 from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store
 
@@ -109,6 +109,17 @@ class TritonBackend(AttentionBackend):
         self.plain_prefill_chosen = True
 
     def decode(self, q, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._paged_decode(q, k_cache, v_cache, layout, meta, scale)
+
+    def prepare_and_decode(
+        self, q, k, v, k_cache, v_cache, layout, meta: AttentionMetadata, t: QKTransform, scale: float
+    ) -> torch.Tensor:
+        norms = (t.q_norm_weight, t.k_norm_weight, t.eps)
+        prologue = DecodePrologue(k, v, t.positions, t.cos_sin_cache, *norms, meta.slot_mapping)
+        return self._paged_decode(q, k_cache, v_cache, layout, meta, scale, prologue)
+
+    @staticmethod
+    def _paged_decode(q, k_cache, v_cache, layout, meta, scale, prologue=None) -> torch.Tensor:
         return paged_decode_attention(
             q,
             k_cache,
@@ -118,4 +129,5 @@ class TritonBackend(AttentionBackend):
             scale,
             row_order=meta.decode_order,
             layout=layout,
+            prologue=prologue,
         )

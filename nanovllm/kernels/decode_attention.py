@@ -19,6 +19,13 @@ from nanovllm.kernels.attention_common import (
 from nanovllm.kernels.decode_reduce import combine_splits
 from nanovllm.kernels.device import num_sms, pdl_options, wait_for_prior_grid
 from nanovllm.kernels.kv_layout import KVLayout
+from nanovllm.kernels.qk_norm_rope_store import (
+    check_prologue_inputs,
+    norm_rope_halves,
+    qk_norm_rope_store,
+    rotary_at,
+    store_new_kv,
+)
 
 _MIN_ROWS = 16  # tl.dot needs M >= 16: the GQA group is padded up to this
 _SPLIT_ALIGN = 16  # split lengths are rounded up to this many tokens
@@ -36,6 +43,25 @@ _NUM_WARPS = 4
 _FEW_SPLITS, _FEW_SPLITS_WARPS = 4, 2
 _MIN_SPLIT_TOKENS = 64  # default splits never cut a full block table finer than this
 _PROGRAMS_PER_SM = 4  # default split count aims at this many programs per SM
+# From this many splits (short programs, bound by latency) the q/k prologue runs inside the
+# split kernel, one launch a layer fewer; below, its redundant work in every long program costs
+# more than its own kernel (H100: +1.4% at 1-16 rows of the 8B; slower at 1-2 splits).
+_MIN_SPLITS_FOR_PROLOGUE = _FEW_SPLITS + 1
+
+
+class DecodePrologue(NamedTuple):
+    """What :func:`paged_decode_attention` does to q, k and v before it attends, as
+    :func:`~nanovllm.kernels.qk_norm_rope_store.qk_norm_rope_store` does (the same arguments
+    but q and the caches): q and k normed and rotated, k and v stored at ``slot_mapping``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+    slot_mapping: torch.Tensor
 
 
 def paged_decode_attention_ref(
@@ -78,9 +104,18 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr, FINAL: tl.constexpr, HAS_ORDER: tl.constexpr,
     V_TOKEN_MAJOR: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOT: tl.constexpr,
+    new_k_ptr, new_v_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, slot_mapping_ptr,
+    eps, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_cs,
+    PROLOGUE: tl.constexpr, HAS_NORM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    V_LARGEST: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """One program: all GROUP query heads of one KV head over one split of one sequence.
+
+    With PROLOGUE, q is normed and rotated as it is loaded (the ``new_*``, ``positions``,
+    ``cos_sin``, weights and ``slot_mapping`` arguments as :class:`DecodePrologue` has them),
+    and the program whose split holds the row's new token normes, rotates and stores that
+    token's K and V first (a barrier between: its own tiles read them back).
 
     With FINAL (a single split) it writes the output; otherwise the normalised partial output
     to ``out[seq, head, split]`` (fp32) and its base-2 log-sum-exp to ``lse[seq, head, split]``.
@@ -103,13 +138,35 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
-    q_offs = seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None], other=0.0)
-    if F16_DOT:
-        q = fp16_query(q)
     k_base, v_base = kv_head_bases(
         k_cache_ptr, v_cache_ptr, kv_head, offs_d, stride_kh, stride_vh, stride_vd, V_TOKEN_MAJOR
     )
+    if PROLOGUE:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        offs_h = tl.arange(0, HALF)[None, :]
+        cos, sin = rotary_at(cos_sin_ptr, tl.load(positions_ptr + seq).to(tl.int64), stride_cs, HALF)
+        q_row = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_h
+        q1 = tl.load(q_row, mask=g_mask[:, None], other=0.0)
+        q2 = tl.load(q_row + HALF, mask=g_mask[:, None], other=0.0)
+        q1, q2 = norm_rope_halves(q1, q2, q_weight_ptr, cos, sin, eps, HAS_NORM, HALF)
+        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_G, HEAD_DIM))
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+        if (slot >= 0) & (start < ctx) & (ctx <= end):  # this split ends with the new token
+            k_row = new_k_ptr + seq * stride_nkt + kv_head * stride_nkh + offs_h
+            k1, k2 = norm_rope_halves(
+                tl.load(k_row), tl.load(k_row + HALF), k_weight_ptr, cos, sin, eps, HAS_NORM, HALF
+            )
+            v_row = new_v_ptr + seq * stride_nvt + kv_head * stride_nvh
+            store_new_kv(
+                k_cache_ptr, v_cache_ptr, k1, k2, v_row, slot, kv_head, offs_h < HALF,
+                stride_vb, stride_vh, stride_vd, NUM_KV_HEADS, HALF, BLOCK_SIZE, V_TOKEN_MAJOR, V_LARGEST,
+            )  # fmt: skip
+        tl.debug_barrier()
+    else:
+        q_offs = seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptr + q_offs, mask=g_mask[:, None], other=0.0)
+    if F16_DOT:
+        q = fp16_query(q)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -200,11 +257,13 @@ def paged_decode_attention(
     row_order: torch.Tensor | None = None,
     *,
     layout: KVLayout = KVLayout.DIM_MAJOR,
+    prologue: DecodePrologue | None = None,
 ) -> torch.Tensor:
     """Triton flash-decoding version of :func:`paged_decode_attention_ref` (same semantics)
     over caches laid out as ``layout``; ``row_order`` (int32 ``[batch]``, optional) names the
     rows in the order their programs start, e.g. longest context first (-1: the row's own
-    index).
+    index). With ``prologue``, q is the projection's raw q, and the prologue's work is done
+    first (inside the split kernel where it has many splits, else by its own kernel).
 
     Each program reads a KV tile once for all query heads of its GQA group. The context is
     cut into ``num_splits`` pieces (default :func:`default_num_splits`) combined by a second
@@ -224,6 +283,16 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     if batch == 0:
         return out
+    p = prologue
+    if p is not None:
+        check_prologue_inputs(q, p.k, p.v, p.cos_sin_cache, p.q_weight, p.k_weight, k_cache, v_cache, layout)
+        if num_splits < _MIN_SPLITS_FOR_PROLOGUE:
+            rotary = (p.positions, p.cos_sin_cache, p.q_weight, p.k_weight, p.eps)
+            q, _ = qk_norm_rope_store(q, p.k, p.v, *rotary, k_cache, v_cache, p.slot_mapping, layout=layout)
+            p = None
+    # without a prologue its pointers are any tensor's: unread
+    k_new, v_new = (p.k, p.v) if p else (q, q)
+    has_norm = p is not None and p.q_weight is not None
     if num_splits == 1:
         part, lse = out, out  # lse is unused when the kernel writes the final output
     else:
@@ -257,6 +326,23 @@ def paged_decode_attention(
         V_TOKEN_MAJOR=layout.v_token_major,
         DOT_PRECISION=dot_precision(q.dtype),
         F16_DOT=launch.f16_dot,
+        new_k_ptr=k_new,
+        new_v_ptr=v_new,
+        positions_ptr=p.positions if p else q,
+        cos_sin_ptr=p.cos_sin_cache if p else q,
+        q_weight_ptr=p.q_weight if has_norm else q,
+        k_weight_ptr=p.k_weight if has_norm else q,
+        slot_mapping_ptr=p.slot_mapping if p else q,
+        eps=p.eps if p else 0.0,
+        stride_nkt=k_new.stride(0),
+        stride_nkh=k_new.stride(1),
+        stride_nvt=v_new.stride(0),
+        stride_nvh=v_new.stride(1),
+        stride_cs=p.cos_sin_cache.stride(0) if p else 0,
+        PROLOGUE=p is not None,
+        HAS_NORM=has_norm,
+        NUM_KV_HEADS=num_kv_heads,
+        V_LARGEST=torch.finfo(v_cache.dtype).max,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         **pdl_options(q.device),

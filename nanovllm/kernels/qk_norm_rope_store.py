@@ -75,11 +75,10 @@ def qk_norm_rope_store_ref(
 
 
 @triton.jit
-def _norm_rope(x_ptr, w_ptr, cos, sin, eps, mask, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
-    """Load ``[heads, 2 * HALF]`` at x_ptr (halves as two tiles), norm, rotate, store back."""
+def norm_rope_halves(x1, x2, w_ptr, cos, sin, eps, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
+    """``[heads, HALF]`` halves of heads, normed (when HAS_NORM, weights at ``w_ptr``) and
+    rotated, rounded where the reference rounds; returns the two new halves."""
     offs = tl.arange(0, HALF)[None, :]
-    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    x2 = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0)
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     if HAS_NORM:
@@ -88,11 +87,44 @@ def _norm_rope(x_ptr, w_ptr, cos, sin, eps, mask, HAS_NORM: tl.constexpr, HALF: 
         w2 = tl.load(w_ptr + HALF + offs).to(tl.float32)
         x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    o1 = (x1 * cos - x2 * sin).to(dtype)
-    o2 = (x2 * cos + x1 * sin).to(dtype)
-    tl.store(x_ptr + offs, o1, mask=mask)
-    tl.store(x_ptr + HALF + offs, o2, mask=mask)
-    return o1, o2
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
+@triton.jit
+def rotary_at(cos_sin_ptr, pos, stride_cs, HALF: tl.constexpr):
+    """cos and sin (``[1, HALF]`` fp32) of position ``pos``."""
+    offs = tl.arange(0, HALF)[None, :]
+    return tl.load(cos_sin_ptr + pos * stride_cs + offs), tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs)
+
+
+@triton.jit
+def store_new_kv(
+    k_cache_ptr, v_cache_ptr, k1, k2, v_row, slot, hk, mask,
+    stride_vcb, stride_vch, stride_vcd,
+    NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr, V_LARGEST: tl.constexpr,
+):  # fmt: skip
+    """Store one token's K heads ``hk`` (``[heads, 1]``; halves k1, k2) and its V (halves at
+    ``v_row`` and ``v_row + HALF``) at cache slot ``slot`` (int64, >= 0), cast to the caches'
+    dtypes. The K cache and a dim-major V cache are contiguous; a token-major V's strides are
+    (block, head, dim) and it holds finite values only (see kv_layout)."""
+    offs = tl.arange(0, HALF)[None, :]
+    # int64 slot: the flat cache index can exceed 2**31 elements
+    cache = slot * (NUM_KV_HEADS * 2 * HALF) + hk * (2 * HALF) + offs
+    tl.store(k_cache_ptr + cache, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + cache + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v1 = tl.load(v_row + offs, mask=mask)
+    v2 = tl.load(v_row + HALF + offs, mask=mask)
+    if V_TOKEN_MAJOR:
+        v1 = tl.clamp(tl.where(v1 == v1, v1.to(tl.float32), 0.0), -V_LARGEST, V_LARGEST)
+        v2 = tl.clamp(tl.where(v2 == v2, v2.to(tl.float32), 0.0), -V_LARGEST, V_LARGEST)
+        cache = (slot // BLOCK_SIZE) * stride_vcb + slot % BLOCK_SIZE
+        cache += hk * stride_vch + offs * stride_vcd
+        half = HALF * stride_vcd
+    else:
+        half = HALF
+    tl.store(v_cache_ptr + cache, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache + half, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -135,34 +167,55 @@ def _qk_norm_rope_store_kernel(
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     offs = tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs)
+    cos, sin = rotary_at(cos_sin_ptr, pos, stride_cs, HALF)
     hq = tl.arange(0, BLOCK_HQ)[:, None]
-    q_row = q_ptr + token * stride_qt + hq * stride_qh
-    _norm_rope(q_row, q_weight_ptr, cos, sin, eps, hq < NUM_HEADS, HAS_NORM, HALF)
+    q_row = q_ptr + token * stride_qt + hq * stride_qh + offs
+    q_mask = hq < NUM_HEADS
+    q1, q2 = tl.load(q_row, mask=q_mask, other=0.0), tl.load(q_row + HALF, mask=q_mask, other=0.0)
+    q1, q2 = norm_rope_halves(q1, q2, q_weight_ptr, cos, sin, eps, HAS_NORM, HALF)
+    tl.store(q_row, q1, mask=q_mask)
+    tl.store(q_row + HALF, q2, mask=q_mask)
     hk = tl.arange(0, BLOCK_HK)[:, None]
     k_mask = hk < NUM_KV_HEADS
-    k_row = k_ptr + token * stride_kt + hk * stride_kh
-    k1, k2 = _norm_rope(k_row, k_weight_ptr, cos, sin, eps, k_mask, HAS_NORM, HALF)
+    k_row = k_ptr + token * stride_kt + hk * stride_kh + offs
+    k1, k2 = tl.load(k_row, mask=k_mask, other=0.0), tl.load(k_row + HALF, mask=k_mask, other=0.0)
+    k1, k2 = norm_rope_halves(k1, k2, k_weight_ptr, cos, sin, eps, HAS_NORM, HALF)
+    tl.store(k_row, k1, mask=k_mask)
+    tl.store(k_row + HALF, k2, mask=k_mask)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
-        # int64 slot: the flat cache index can exceed 2**31 elements
-        cache = slot * (NUM_KV_HEADS * 2 * HALF) + hk * (2 * HALF) + offs
-        tl.store(k_cache_ptr + cache, k1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
-        tl.store(k_cache_ptr + cache + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
-        v_row = v_ptr + token * stride_vt + hk * stride_vh + offs
-        v1 = tl.load(v_row, mask=k_mask)
-        v2 = tl.load(v_row + HALF, mask=k_mask)
-        if V_TOKEN_MAJOR:  # finite values only (see kv_layout)
-            v1 = tl.clamp(tl.where(v1 == v1, v1.to(tl.float32), 0.0), -V_LARGEST, V_LARGEST)
-            v2 = tl.clamp(tl.where(v2 == v2, v2.to(tl.float32), 0.0), -V_LARGEST, V_LARGEST)
-            cache = (slot // BLOCK_SIZE) * stride_vcb + slot % BLOCK_SIZE
-            cache += hk * stride_vch + offs * stride_vcd
-            half = HALF * stride_vcd
-        else:
-            half = HALF
-        tl.store(v_cache_ptr + cache, v1.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
-        tl.store(v_cache_ptr + cache + half, v2.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
+        v_row = v_ptr + token * stride_vt + hk * stride_vh
+        store_new_kv(
+            k_cache_ptr, v_cache_ptr, k1, k2, v_row, slot, hk, k_mask, stride_vcb, stride_vch, stride_vcd,
+            NUM_KV_HEADS, HALF, BLOCK_SIZE, V_TOKEN_MAJOR, V_LARGEST,
+        )  # fmt: skip
+
+
+def check_prologue_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: KVLayout,
+) -> None:
+    """``ValueError`` unless the kernels that norm, rotate and store q/k/v (this module's, and
+    decode attention's prologue) take these inputs."""
+    head_dim = q.shape[-1]
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k and v need a unit stride in the last dimension")
+    layout.check(v_cache)
+    if not (k_cache.is_contiguous() and cos_sin_cache.is_contiguous()):
+        raise ValueError("k_cache and cos_sin_cache must be contiguous")
+    if not (layout.v_token_major or v_cache.is_contiguous()):
+        raise ValueError("a dim-major v_cache must be contiguous")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight go together")
 
 
 def qk_norm_rope_store(
@@ -185,17 +238,7 @@ def qk_norm_rope_store(
     returned."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if head_dim < 2 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("q, k and v need a unit stride in the last dimension")
-    layout.check(v_cache)
-    if not (k_cache.is_contiguous() and cos_sin_cache.is_contiguous()):
-        raise ValueError("k_cache and cos_sin_cache must be contiguous")
-    if not (layout.v_token_major or v_cache.is_contiguous()):
-        raise ValueError("a dim-major v_cache must be contiguous")
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("q_weight and k_weight go together")
+    check_prologue_inputs(q, k, v, cos_sin_cache, q_weight, k_weight, k_cache, v_cache, layout)
     if num_tokens == 0:
         return q, k
     has_norm = q_weight is not None

@@ -49,9 +49,9 @@ class Attention(nn.Module):
         """q: ``[tokens, heads, head_dim]``; k, v: ``[tokens, kv_heads, head_dim]``, before
         ``transform`` (q and k may be rewritten in place)."""
         backend, cache = self.backend, (self.k_cache, self.v_cache, self.kv_layout)
-        q, k = backend.prepare(q, k, v, *cache, meta.slot_mapping, transform)
         if not meta.is_prefill:
-            return backend.decode(q, *cache, meta, self.scale)
+            return backend.prepare_and_decode(q, k, v, *cache, meta, transform, self.scale)
+        q, k = backend.prepare(q, k, v, *cache, meta.slot_mapping, transform)
         d = meta.num_decode_tokens
         if not d:
             return backend.prefill(q, k, v, *cache, meta, self.scale)

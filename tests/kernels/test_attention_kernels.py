@@ -11,7 +11,8 @@ from nanovllm.kernels import decode_attention as dec
 from nanovllm.kernels import prefill_attention as pre
 from nanovllm.kernels.decode_reduce import combine_splits, combine_splits_ref
 from nanovllm.kernels.kv_layout import KVLayout
-from nanovllm.kernels.qk_norm_rope_store import store_kvcache_ref
+from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store, qk_norm_rope_store_ref, store_kvcache_ref
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from tests.interpreter import DEVICE
 
 # on a GPU machine these run on the device too (``-m gpu``); on CPU, under the interpreter
@@ -243,6 +244,59 @@ def test_decode_matches_prefill_q_len_1() -> None:
     q, k_cache, v_cache, _, ctx, tables = args
     out = pre.paged_prefill_attention(*args, 0.2, 1)
     torch.testing.assert_close(out, dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, 2))
+
+
+@LAYOUTS
+@pytest.mark.parametrize("cache", ["same", "float8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_norm"])
+@pytest.mark.parametrize("num_splits", [1, 4, 5, 9])
+def test_decode_with_its_prologue(num_splits, norm, dtype, cache, layout) -> None:
+    """Decode from the projection's raw q/k/v with a ``DecodePrologue`` (inside the split kernel
+    from 5 splits, its own kernel first below) equals the prologue then decode, the caches
+    included; a padding row (slot -1) stores nothing. The references are the oracle over a
+    16-bit cache; over float8 the two kernels are (the interpreter's float8 cast rounds unlike
+    torch's; the prologue kernel's own float8 test runs on CUDA)."""
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    lens = [1, 16, 17, 43, 64, 5]
+    k_cache, v_cache, tables, ctx = make_cache(lens, block_size, kv_heads, head_dim, dtype, layout=layout)
+    if cache == "float8":
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    qkv = make_q(len(lens), heads, kv_heads, head_dim, dtype)._base
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    gen = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 4000, (len(lens),), generator=gen).to(DEVICE)
+    weights = (1 + 0.1 * torch.randn(2, head_dim, generator=gen)).to(dtype).to(DEVICE) if norm else [None] * 2
+    last = ctx.long() - 1
+    slots = tables.long().gather(1, (last // block_size)[:, None])[:, 0] * block_size + last % block_size
+    slots[-1] = -1
+    rotary = (positions, RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(DEVICE), *weights, 1e-6)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    layout.check(want_v)
+    if cache == "same":
+        want_q, _ = qk_norm_rope_store_ref(
+            q.clone(), k.clone(), v, *rotary, want_k, want_v, slots, layout=layout
+        )
+        want = dec.paged_decode_attention_ref(want_q, want_k, want_v, tables, ctx, 0.125)
+        tol = TOL[dtype]
+    else:  # rounded to nearest on both sides; a k that differs in its last bit may round apart
+        want_q, _ = qk_norm_rope_store(q.clone(), k.clone(), v, *rotary, want_k, want_v, slots, layout=layout)
+        want = dec.paged_decode_attention(want_q, want_k, want_v, tables, ctx, 0.125, layout=layout)
+        tol = 0.125
+    got = dec.paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        ctx,
+        0.125,
+        num_splits,
+        layout=layout,
+        prologue=dec.DecodePrologue(k, v, *rotary, slots),
+    )
+    check(got, want, dtype)
+    torch.testing.assert_close(k_cache.float(), want_k.float(), atol=TOL[dtype], rtol=tol)
+    assert torch.equal(v_cache.float(), want_v.float())  # copied, not computed
 
 
 @LAYOUTS
