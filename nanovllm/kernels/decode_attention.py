@@ -44,8 +44,9 @@ _FEW_SPLITS, _FEW_SPLITS_WARPS = 4, 2
 _MIN_SPLIT_TOKENS = 64  # default splits never cut a full block table finer than this
 _PROGRAMS_PER_SM = 4  # default split count aims at this many programs per SM
 # From this many splits (short programs, bound by latency) the q/k prologue runs inside the
-# split kernel, one launch a layer fewer; below, its redundant work in every long program costs
-# more than its own kernel (H100: +1.4% at 1-16 rows of the 8B; slower at 1-2 splits).
+# split kernel, one launch a layer fewer (H100: the 8B's 1- and 16-row steps 2.1% and 1.3%
+# shorter, the 0.6B's 6% and 4.6%); with fewer, longer programs its work repeated in each
+# costs more than its own kernel (measured slower at 1-2 splits).
 _MIN_SPLITS_FOR_PROLOGUE = _FEW_SPLITS + 1
 
 
@@ -114,7 +115,7 @@ def _decode_split_kernel(
 
     With PROLOGUE, q is normed and rotated as it is loaded (the ``new_*``, ``positions``,
     ``cos_sin``, weights and ``slot_mapping`` arguments as :class:`DecodePrologue` has them),
-    and the program whose split holds the row's new token normes, rotates and stores that
+    and the program whose split holds the row's new token norms, rotates and stores that
     token's K and V first (a barrier between: its own tiles read them back).
 
     With FINAL (a single split) it writes the output; otherwise the normalised partial output

@@ -1,6 +1,8 @@
 """Between the qkv projection and attention, in one kernel: per-head RMSNorm of q and k
 (Qwen3's q_norm/k_norm, optional), the rotary embedding (rotate-half layout), and the store
-of this step's k and v into the paged KV cache (layouts as in :mod:`kv_layout`)."""
+of this step's k and v into the paged KV cache (layouts as in :mod:`kv_layout`). Decode
+attention does the same work inside its own kernel at small batches through this module's
+``@triton.jit`` helpers (:func:`norm_rope_halves`, :func:`store_new_kv`), so both round alike."""
 
 import torch
 import triton
