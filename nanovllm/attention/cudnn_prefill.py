@@ -22,6 +22,7 @@ MIN_PROMPT_TOKENS = 2048
 """The shortest prompt worth a launch of its own (measured faster from 2,048 tokens)."""
 
 ENABLED = os.environ.get("NANOVLLM_CUDNN_PREFILL", "1") != "0"
+_BACKENDS = [SDPBackend.CUDNN_ATTENTION]  # (the tests run the padding on CPU through MATH)
 
 
 def cudnn_prefill_supported(device: torch.device) -> bool:
@@ -122,6 +123,3 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     with sdpa_kernel(_BACKENDS):
         attended = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
     return attended[0].transpose(0, 1)
-
-
-_BACKENDS = [SDPBackend.CUDNN_ATTENTION]  # (the tests run the padding on CPU through MATH)

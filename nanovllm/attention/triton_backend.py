@@ -78,8 +78,7 @@ class TritonBackend(AttentionBackend):
             try:
                 return cudnn_causal_prefill(q, k, v, meta.seqlens_q, scale)
             except RuntimeError as e:  # e.g. a cuDNN without a fused kernel for these heads
-                logger.warning("cuDNN attention failed (%s); long prompts use the Triton kernel", e)
-                self.use_cudnn = False
+                self._give_up_cudnn(e)
         if self.varlen_attn is None or q.dtype == torch.float32:  # (chosen on CUDA only)
             return None
         cu, longest = meta.cu_seqlens_q, meta.max_seqlen_q
@@ -97,8 +96,11 @@ class TritonBackend(AttentionBackend):
                 )
                 logger.info("cuDNN attention: plans built for %d prompt lengths", built)
             except RuntimeError as e:
-                logger.warning("cuDNN attention failed (%s); long prompts use the Triton kernel", e)
-                self.use_cudnn = False
+                self._give_up_cudnn(e)
+
+    def _give_up_cudnn(self, error: RuntimeError) -> None:
+        logger.warning("cuDNN attention failed (%s); long prompts use the Triton kernel", error)
+        self.use_cudnn = False
 
     def _choose_plain_prefill(self, device: torch.device) -> None:
         # On Hopper the paged kernel outruns torch's varlen attention (FlashAttention 2: 318
