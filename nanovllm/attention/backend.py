@@ -139,7 +139,10 @@ class AttentionBackend:
         layout: KVLayout,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The prompt rows' attention (``meta`` describes them), written to ``out`` when given
+        (q's shape and dtype: the prompt rows of a mixed step's output) and returned."""
         raise NotImplementedError
 
     def decode(
@@ -150,8 +153,16 @@ class AttentionBackend:
         layout: KVLayout,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """One query token per row against its cached context, written to ``out`` when given
+        (as :meth:`prefill`) and returned."""
         raise NotImplementedError
+
+    @staticmethod
+    def written_to(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+        """``result``, copied into ``out`` when given: for kernels that make their own output."""
+        return result if out is None else out.copy_(result)
 
     def prepare_and_decode(
         self,

@@ -15,13 +15,13 @@ class FlashAttnBackend(AttentionBackend):
     qk_prologue = staticmethod(qk_norm_rope_store)
 
     def prefill(
-        self, q, k, v, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float
+        self, q, k, v, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float, out=None
     ) -> torch.Tensor:
         if meta.has_prefix:  # read the cached prefix (and the new tokens) from the paged cache
             k, v, block_table = k_cache, v_cache, meta.block_tables
         else:
             block_table = None
-        return flash_attn_varlen_func(
+        result = flash_attn_varlen_func(
             q,
             k,
             v,
@@ -33,9 +33,12 @@ class FlashAttnBackend(AttentionBackend):
             causal=True,
             block_table=block_table,
         )
+        return self.written_to(out, result)
 
-    def decode(self, q, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = flash_attn_with_kvcache(
+    def decode(
+        self, q, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float, out=None
+    ) -> torch.Tensor:
+        result = flash_attn_with_kvcache(
             q.unsqueeze(1),
             k_cache,
             v_cache,
@@ -44,4 +47,4 @@ class FlashAttnBackend(AttentionBackend):
             softmax_scale=scale,
             causal=True,
         )
-        return out.squeeze(1)
+        return self.written_to(out, result.squeeze(1))

@@ -14,11 +14,15 @@ class TorchBackend(AttentionBackend):
     supports_cuda_graphs = False  # the reference loops over sequences on the host
 
     def prefill(
-        self, q, k, v, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float
+        self, q, k, v, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float, out=None
     ) -> torch.Tensor:
-        return paged_prefill_attention_ref(
+        result = paged_prefill_attention_ref(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale
         )
+        return self.written_to(out, result)
 
-    def decode(self, q, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    def decode(
+        self, q, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float, out=None
+    ) -> torch.Tensor:
+        result = paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return self.written_to(out, result)

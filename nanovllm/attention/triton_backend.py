@@ -49,14 +49,14 @@ class TritonBackend(AttentionBackend):
         self.varlen_attn: Callable[..., torch.Tensor] | None = None
 
     def prefill(
-        self, q, k, v, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float
+        self, q, k, v, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float, out=None
     ) -> torch.Tensor:
         if q.is_cuda and not self.plain_prefill_chosen:
             self._choose_plain_prefill(q.device)
         if not meta.has_prefix:
             plain = self._plain_prefill(q, k, v, k_cache.dtype, meta, scale)
             if plain is not None:
-                return plain
+                return self.written_to(out, plain)
         return paged_prefill_attention(
             q,
             k_cache,
@@ -67,6 +67,7 @@ class TritonBackend(AttentionBackend):
             scale,
             meta.max_seqlen_q,
             layout=layout,
+            out=out,
         )
 
     def _plain_prefill(
@@ -110,8 +111,10 @@ class TritonBackend(AttentionBackend):
             self.varlen_attn = _find_varlen_attn()
         self.plain_prefill_chosen = True
 
-    def decode(self, q, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self._paged_decode(q, k_cache, v_cache, layout, meta, scale)
+    def decode(
+        self, q, k_cache, v_cache, layout, meta: AttentionMetadata, scale: float, out=None
+    ) -> torch.Tensor:
+        return self._paged_decode(q, k_cache, v_cache, layout, meta, scale, out=out)
 
     def prepare_and_decode(
         self, q, k, v, k_cache, v_cache, layout, meta: AttentionMetadata, t: QKTransform, scale: float
@@ -121,7 +124,7 @@ class TritonBackend(AttentionBackend):
         return self._paged_decode(q, k_cache, v_cache, layout, meta, scale, prologue)
 
     @staticmethod
-    def _paged_decode(q, k_cache, v_cache, layout, meta, scale, prologue=None) -> torch.Tensor:
+    def _paged_decode(q, k_cache, v_cache, layout, meta, scale, prologue=None, out=None) -> torch.Tensor:
         return paged_decode_attention(
             q,
             k_cache,
@@ -132,4 +135,5 @@ class TritonBackend(AttentionBackend):
             row_order=meta.decode_order,
             layout=layout,
             prologue=prologue,
+            out=out,
         )

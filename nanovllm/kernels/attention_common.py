@@ -47,6 +47,19 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     layout.check(v_cache)
 
 
+def output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out`` if given (``ValueError`` unless it has q's shape, dtype and device and a unit
+    stride in the last dimension, as the kernels write it), else a new tensor like q."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(
+            f"out must be a {tuple(q.shape)} {q.dtype} tensor on {q.device} with a unit last stride, "
+            f"not {tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}"
+        )
+    return out
+
+
 @triton.jit
 def kv_head_bases(
     k_cache_ptr, v_cache_ptr, kv_head, offs_d, stride_kh, stride_vh, stride_vd, V_TOKEN_MAJOR: tl.constexpr

@@ -14,6 +14,7 @@ from nanovllm.kernels.attention_common import (
     dot_precision,
     fp16_query,
     kv_head_bases,
+    output_for,
     reads_in_fp16,
 )
 from nanovllm.kernels.decode_reduce import combine_splits
@@ -259,12 +260,14 @@ def paged_decode_attention(
     *,
     layout: KVLayout = KVLayout.DIM_MAJOR,
     prologue: DecodePrologue | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton flash-decoding version of :func:`paged_decode_attention_ref` (same semantics)
     over caches laid out as ``layout``; ``row_order`` (int32 ``[batch]``, optional) names the
     rows in the order their programs start, e.g. longest context first (-1: the row's own
     index). With ``prologue``, q is the projection's raw q, and the prologue's work is done
-    first (inside the split kernel where it has many splits, else by its own kernel).
+    first (inside the split kernel where it has many splits, else by its own kernel). With
+    ``out`` (q's shape and dtype, e.g. rows of a larger output) the result is written there.
 
     Each program reads a KV tile once for all query heads of its GQA group. The context is
     cut into ``num_splits`` pieces (default :func:`default_num_splits`) combined by a second
@@ -281,7 +284,7 @@ def paged_decode_attention(
         )
     elif num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    out = torch.empty_like(q)
+    out = output_for(q, out)
     if batch == 0:
         return out
     p = prologue

@@ -15,6 +15,7 @@ from nanovllm.kernels.attention_common import (
     dot_precision,
     fp16_query,
     kv_head_bases,
+    output_for,
     reads_in_fp16,
 )
 from nanovllm.kernels.kv_layout import KVLayout
@@ -195,9 +196,10 @@ def paged_prefill_attention(
     max_seqlen_q: int,
     *,
     layout: KVLayout = KVLayout.DIM_MAJOR,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`paged_prefill_attention_ref` (same semantics) over caches laid
-    out as ``layout``.
+    out as ``layout``; with ``out`` (q's shape and dtype) the result is written there.
 
     ``max_seqlen_q`` (host int, >= every q_len) sizes the grid. Each program covers BLOCK_M
     (token, query head) pairs of one KV head, so K/V tiles are shared across the GQA group.
@@ -208,7 +210,7 @@ def paged_prefill_attention(
     check_inputs(q, k_cache, v_cache, layout)
     group = num_heads // num_kv_heads
     batch = cu_seqlens_q.shape[0] - 1
-    out = torch.empty_like(q)
+    out = output_for(q, out)
     if total_q == 0 or batch == 0:
         return out
     launch = launch_settings(head_dim, k_cache.element_size(), q.dtype, layout, block_size)

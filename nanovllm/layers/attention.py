@@ -55,6 +55,8 @@ class Attention(nn.Module):
         d = meta.num_decode_tokens
         if not d:
             return backend.prefill(q, k, v, *cache, meta, self.scale)
-        decoded = backend.decode(q[:d], *cache, meta.decode, self.scale)
-        prefilled = backend.prefill(q[d:], k[d:], v[d:], *cache, meta, self.scale)
-        return torch.cat((decoded, prefilled))
+        # each part written into its rows of one output: no concatenation after
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        backend.decode(q[:d], *cache, meta.decode, self.scale, out=out[:d])
+        backend.prefill(q[d:], k[d:], v[d:], *cache, meta, self.scale, out=out[d:])
+        return out

@@ -226,6 +226,41 @@ def test_prefill_attention(block_size, num_kv_heads, head_dim, prefixes, q_lens,
     check(out, pre.paged_prefill_attention_ref(*args, scale), dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kernels_write_into_rows_of_a_given_output(num_splits) -> None:
+    """A mixed step's decode rows and prompt rows, each kernel writing its part of one output."""
+    prefixes, q_lens = [0, 19], [9, 20]
+    q_pre, k_cache, v_cache, cu, ctx, tables = prefill_inputs(prefixes, q_lens, 16, 2, 64, torch.float32)
+    lens = [5, 40, 17]
+    kd, vd, td, cd = make_cache(lens, 16, 2, 64, torch.float32, seed=3)
+    q_dec = make_q(len(lens), 8, 2, 64, torch.float32, seed=4)
+    out = torch.full((len(lens) + sum(q_lens) + 1, 8, 64), 7.0, device=DEVICE)  # a row past both
+    d = len(lens)
+    got_dec = dec.paged_decode_attention(q_dec, kd, vd, td, cd, 0.2, num_splits, out=out[:d])
+    got_pre = pre.paged_prefill_attention(q_pre, k_cache, v_cache, cu, ctx, tables, 0.2, 20, out=out[d:-1])
+    assert got_dec.data_ptr() == out.data_ptr() and got_pre.data_ptr() == out[d:].data_ptr()
+    check(out[:d], dec.paged_decode_attention_ref(q_dec, kd, vd, td, cd, 0.2), torch.float32)
+    check(
+        out[d:-1],
+        pre.paged_prefill_attention_ref(q_pre, k_cache, v_cache, cu, ctx, tables, 0.2),
+        torch.float32,
+    )
+    assert torch.all(out[-1] == 7.0)
+
+
+def test_kernels_refuse_an_output_unlike_q() -> None:
+    k_cache, v_cache, tables, ctx = make_cache([5, 9], 16, 2, 64, torch.float32)
+    q = make_q(2, 8, 2, 64, torch.float32)
+    for bad in (torch.empty(3, 8, 64), torch.empty(2, 8, 64, dtype=torch.float16), torch.empty(2, 64, 8).mT):
+        with pytest.raises(ValueError, match="out must be"):
+            dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, out=bad.to(DEVICE))
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="out must be"):
+        pre.paged_prefill_attention(
+            q, k_cache, v_cache, cu, ctx, tables, 0.2, 1, out=torch.empty(2, 8, 32).to(DEVICE)
+        )
+
+
 def test_prefill_ref_vs_naive() -> None:
     prefixes, q_lens = [0, 19, 3], [1, 20, 30]
     q, k_cache, v_cache, cu, ctx, tables = prefill_inputs(
