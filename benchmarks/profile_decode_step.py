@@ -15,10 +15,14 @@ CUDA graphs, then the decode graph replayed alone against the sum of its kernels
 time between kernels inside a graph). A mixed step's launch is eager: where it takes longer than
 the GPU's work, the engine's steps are bound by the host. ``--host-profile`` adds the launch's
 Python profile (the functions with the most time of their own, then the most time under them).
+``--chrome-trace PATH`` last records ``--trace-steps`` steps of the engine's own loop (planned
+ahead, as ``generate`` runs them) as a Chrome trace and prints where the GPU waits between
+operations (:mod:`benchmarks.trace_gaps`).
 """
 
 import argparse
 import cProfile
+import json
 import pstats
 import random
 import tempfile
@@ -28,6 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.cuda_graphs import replay_ms
+from benchmarks.trace_gaps import device_ops, find_gaps
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo_models import SHAPES, write_config
 from nanovllm.scheduling import ScheduledStep
@@ -44,6 +49,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=0, help="new prompts' length, every step")
     parser.add_argument("--prompts", type=int, default=1, help="new prompts in every step")
     parser.add_argument("--host-profile", action="store_true", help="profile the launches' Python")
+    parser.add_argument("--chrome-trace", default=None, help="write a trace of the engine's steps here")
+    parser.add_argument("--trace-steps", type=int, default=20, help="steps in the Chrome trace")
     args = parser.parse_args()
     path = tempfile.mkdtemp()
     write_config(path, args.shape)
@@ -125,7 +132,26 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
     if runner.graphs is not None:
         replay_alone(runner.graphs, args.batch)
+    if args.chrome_trace:
+        trace_engine_steps(llm, add_prompts, args.trace_steps, args.chrome_trace)
     llm.exit()
+
+
+def trace_engine_steps(llm: LLM, add_prompts, steps: int, path: str) -> None:
+    """``steps`` steps of the engine's loop as a Chrome trace at ``path``, and the GPU's idle
+    time between its operations."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            add_prompts()
+            llm.step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        gaps = find_gaps(device_ops(json.load(f)))
+    idle_ms = (gaps.span_us - gaps.busy_us) / 1e3
+    print(f"engine loop, {steps} steps: GPU idle {idle_ms / steps:.3f} ms a step ({path}); largest gaps:")
+    for (before, after), (us, n) in sorted(gaps.idle_by_pair.items(), key=lambda item: -item[1][0])[:12]:
+        print(f"  {us / steps:8.1f} us a step, {n:4d} gaps: {before} -> {after}")
 
 
 def device_time(prof, reps: int) -> tuple[float, float, float]:
