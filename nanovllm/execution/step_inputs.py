@@ -52,7 +52,7 @@ class _TokenArrays:
 
 
 class StepInputBuilder:
-    """Builds a step's tensors on the host and moves them to the device in two transfers,
+    """Builds a step's tensors on the host and moves them to the device in one transfer,
     keeping each slot's state (:class:`SlotTable`) between steps. With ``rope_lengths``, steps
     carry each token's length for the rotary embedding; with ``samples``, sampling inputs."""
 
