@@ -93,6 +93,17 @@ def norm_rope_halves(x1, x2, w_ptr, cos, sin, eps, HAS_NORM: tl.constexpr, HALF:
 
 
 @triton.jit
+def _norm_rope_in_place(row, mask, w_ptr, cos, sin, eps, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
+    """:func:`norm_rope_halves` of the ``[heads, HALF]`` halves at ``row`` and ``row + HALF``,
+    stored back there; returns them."""
+    x1, x2 = tl.load(row, mask=mask, other=0.0), tl.load(row + HALF, mask=mask, other=0.0)
+    x1, x2 = norm_rope_halves(x1, x2, w_ptr, cos, sin, eps, HAS_NORM, HALF)
+    tl.store(row, x1, mask=mask)
+    tl.store(row + HALF, x2, mask=mask)
+    return x1, x2
+
+
+@triton.jit
 def rotary_at(cos_sin_ptr, pos, stride_cs, HALF: tl.constexpr):
     """cos and sin (``[1, HALF]`` fp32) of position ``pos``."""
     offs = tl.arange(0, HALF)[None, :]
@@ -172,18 +183,11 @@ def _qk_norm_rope_store_kernel(
     cos, sin = rotary_at(cos_sin_ptr, pos, stride_cs, HALF)
     hq = tl.arange(0, BLOCK_HQ)[:, None]
     q_row = q_ptr + token * stride_qt + hq * stride_qh + offs
-    q_mask = hq < NUM_HEADS
-    q1, q2 = tl.load(q_row, mask=q_mask, other=0.0), tl.load(q_row + HALF, mask=q_mask, other=0.0)
-    q1, q2 = norm_rope_halves(q1, q2, q_weight_ptr, cos, sin, eps, HAS_NORM, HALF)
-    tl.store(q_row, q1, mask=q_mask)
-    tl.store(q_row + HALF, q2, mask=q_mask)
+    _norm_rope_in_place(q_row, hq < NUM_HEADS, q_weight_ptr, cos, sin, eps, HAS_NORM, HALF)
     hk = tl.arange(0, BLOCK_HK)[:, None]
     k_mask = hk < NUM_KV_HEADS
     k_row = k_ptr + token * stride_kt + hk * stride_kh + offs
-    k1, k2 = tl.load(k_row, mask=k_mask, other=0.0), tl.load(k_row + HALF, mask=k_mask, other=0.0)
-    k1, k2 = norm_rope_halves(k1, k2, k_weight_ptr, cos, sin, eps, HAS_NORM, HALF)
-    tl.store(k_row, k1, mask=k_mask)
-    tl.store(k_row + HALF, k2, mask=k_mask)
+    k1, k2 = _norm_rope_in_place(k_row, k_mask, k_weight_ptr, cos, sin, eps, HAS_NORM, HALF)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
         v_row = v_ptr + token * stride_vt + hk * stride_vh
