@@ -1,4 +1,5 @@
-"""Triton kernels vs their torch references, and the references vs a naive computation.
+"""Decode attention, the K/V store and the split reduce: Triton kernels vs their torch references,
+and the references vs a naive computation (the prompt kernel: ``test_prefill_attention.py``).
 
 Without CUDA the kernels run through the Triton interpreter on CPU (fp32/fp16 only: the
 interpreter gets bf16 ``tl.dot`` wrong); with CUDA the same checks run on the GPU.
@@ -14,79 +15,19 @@ from nanovllm.kernels.kv_layout import KVLayout
 from nanovllm.kernels.qk_norm_rope_store import qk_norm_rope_store, qk_norm_rope_store_ref, store_kvcache_ref
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from tests.interpreter import DEVICE
+from tests.kernels.paged_attention_cases import (
+    DTYPES,
+    LAYOUTS,
+    TOL,
+    check,
+    make_cache,
+    make_q,
+    naive_attention,
+    prefill_inputs,
+)
 
 # on a GPU machine these run on the device too (``-m gpu``); on CPU, under the interpreter
 pytestmark = pytest.mark.gpu
-
-DTYPES = [torch.float32, torch.float16]
-TOL = {torch.float32: 1e-4, torch.float16: 5e-3}
-LAYOUTS = pytest.mark.parametrize("layout", list(KVLayout), ids=[layout.value for layout in KVLayout])
-
-
-def make_cache(
-    context_lens: list[int],
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    pad: str = "neg",
-    seed: int = 0,
-    layout: KVLayout = KVLayout.DIM_MAJOR,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random caches in ``layout`` with shuffled blocks; table entries past each sequence's end
-    are padding: -1 (``pad="neg"``) or real blocks of other sequences (``pad="garbage"``)."""
-    gen = torch.Generator().manual_seed(seed)
-    used = [(c + block_size - 1) // block_size for c in context_lens]
-    max_blocks = max(used) + 2
-    num_blocks = sum(used) + 3
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    perm = torch.randperm(num_blocks, generator=gen)
-    if pad == "neg":
-        tables = torch.full((len(context_lens), max_blocks), -1, dtype=torch.int32)
-    else:
-        tables = torch.randint(0, num_blocks, (len(context_lens), max_blocks), generator=gen)
-        tables = tables.int()
-    start = 0
-    for b, n in enumerate(used):
-        tables[b, :n] = perm[start : start + n]
-        start += n
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    v_cache = layout.v_view(torch.empty_like(v_cache)).copy_(v_cache)
-    return k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE), lens.to(DEVICE)
-
-
-def make_q(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, seed=1):
-    """q as the leading slice of a fused qkv tensor, so it is not contiguous."""
-    gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
-    return qkv.to(dtype).to(DEVICE)[:, :num_heads]
-
-
-def naive_attention(q, k_cache, v_cache, table, ctx, scale):
-    """One sequence: gather its K/V token by token, then SDPA with an explicit causal mask.
-
-    q: ``[q_len, num_heads, head_dim]``, the last q_len of the ctx positions.
-    """
-    block_size = k_cache.shape[1]
-    slots = [(int(table[t // block_size]), t % block_size) for t in range(ctx)]
-    k = torch.stack([k_cache[b, o] for b, o in slots]).double()  # [ctx, kv_heads, dim]
-    v = torch.stack([v_cache[b, o] for b, o in slots]).double()
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1).transpose(0, 1)
-    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-    q_len = q.shape[0]
-    mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q.double().transpose(0, 1), k, v, attn_mask=mask.to(q.device), scale=scale
-    )
-    return o.transpose(0, 1)
-
-
-def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -191,94 +132,6 @@ def test_bad_head_dim() -> None:
     with pytest.raises(ValueError):
         cu = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
         pre.paged_prefill_attention(q, k_cache, v_cache, cu, ctx, tables, 1.0, 1)
-
-
-def prefill_inputs(
-    prefixes, q_lens, block_size, num_kv_heads, head_dim, dtype, pad="neg", layout=KVLayout.DIM_MAJOR
-):
-    lens = [p + n for p, n in zip(prefixes, q_lens)]
-    k_cache, v_cache, tables, ctx = make_cache(
-        lens, block_size, num_kv_heads, head_dim, dtype, pad, layout=layout
-    )
-    q = make_q(sum(q_lens), 8, num_kv_heads, head_dim, dtype)
-    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().to(DEVICE)
-    return q, k_cache, v_cache, cu, ctx, tables
-
-
-# (block_size, num_kv_heads, head_dim, prefixes, q_lens, pad); num_heads is always 8.
-PREFILL_CASES = [
-    (16, 8, 64, [0, 0, 19, 32, 5], [1, 37, 20, 5, 1], "neg"),
-    (16, 2, 64, [0, 3], [70, 1], "garbage"),
-    (32, 4, 64, [40, 0, 1], [9, 33, 64], "neg"),
-    (32, 1, 128, [0, 50], [25, 14], "garbage"),
-    (64, 2, 64, [70, 0], [3, 66], "neg"),
-    (128, 2, 64, [200, 0, 64], [60, 130, 1], "garbage"),  # tiles within a block, many unmasked
-]
-
-
-@LAYOUTS
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size,num_kv_heads,head_dim,prefixes,q_lens,pad", PREFILL_CASES)
-def test_prefill_attention(block_size, num_kv_heads, head_dim, prefixes, q_lens, pad, dtype, layout):
-    args = prefill_inputs(prefixes, q_lens, block_size, num_kv_heads, head_dim, dtype, pad, layout)
-    scale = head_dim**-0.5
-    out = pre.paged_prefill_attention(*args, scale, max(q_lens), layout=layout)
-    check(out, pre.paged_prefill_attention_ref(*args, scale), dtype)
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_kernels_write_into_rows_of_a_given_output(num_splits) -> None:
-    """A mixed step's decode rows and prompt rows, each kernel writing its part of one output."""
-    prefixes, q_lens = [0, 19], [9, 20]
-    q_pre, k_cache, v_cache, cu, ctx, tables = prefill_inputs(prefixes, q_lens, 16, 2, 64, torch.float32)
-    lens = [5, 40, 17]
-    kd, vd, td, cd = make_cache(lens, 16, 2, 64, torch.float32, seed=3)
-    q_dec = make_q(len(lens), 8, 2, 64, torch.float32, seed=4)
-    out = torch.full((len(lens) + sum(q_lens) + 1, 8, 64), 7.0, device=DEVICE)  # a row past both
-    d = len(lens)
-    got_dec = dec.paged_decode_attention(q_dec, kd, vd, td, cd, 0.2, num_splits, out=out[:d])
-    got_pre = pre.paged_prefill_attention(q_pre, k_cache, v_cache, cu, ctx, tables, 0.2, 20, out=out[d:-1])
-    assert got_dec.data_ptr() == out.data_ptr() and got_pre.data_ptr() == out[d:].data_ptr()
-    check(out[:d], dec.paged_decode_attention_ref(q_dec, kd, vd, td, cd, 0.2), torch.float32)
-    check(
-        out[d:-1],
-        pre.paged_prefill_attention_ref(q_pre, k_cache, v_cache, cu, ctx, tables, 0.2),
-        torch.float32,
-    )
-    assert torch.all(out[-1] == 7.0)
-
-
-def test_kernels_refuse_an_output_unlike_q() -> None:
-    k_cache, v_cache, tables, ctx = make_cache([5, 9], 16, 2, 64, torch.float32)
-    q = make_q(2, 8, 2, 64, torch.float32)
-    for bad in (torch.empty(3, 8, 64), torch.empty(2, 8, 64, dtype=torch.float16), torch.empty(2, 64, 8).mT):
-        with pytest.raises(ValueError, match="out must be"):
-            dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, out=bad.to(DEVICE))
-    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="out must be"):
-        pre.paged_prefill_attention(
-            q, k_cache, v_cache, cu, ctx, tables, 0.2, 1, out=torch.empty(2, 8, 32).to(DEVICE)
-        )
-
-
-def test_prefill_ref_vs_naive() -> None:
-    prefixes, q_lens = [0, 19, 3], [1, 20, 30]
-    q, k_cache, v_cache, cu, ctx, tables = prefill_inputs(
-        prefixes, q_lens, 16, 2, 64, torch.float32, "garbage"
-    )
-    out = pre.paged_prefill_attention_ref(q, k_cache, v_cache, cu, ctx, tables, 0.2)
-    for b in range(len(q_lens)):
-        s, e = int(cu[b]), int(cu[b + 1])
-        naive = naive_attention(q[s:e], k_cache, v_cache, tables[b], int(ctx[b]), 0.2)
-        torch.testing.assert_close(out[s:e].double(), naive, atol=1e-5, rtol=1e-5)
-
-
-def test_decode_matches_prefill_q_len_1() -> None:
-    """Decode is prefill with one new token per sequence."""
-    args = prefill_inputs([0, 20, 47], [1, 1, 1], 16, 2, 64, torch.float32)
-    q, k_cache, v_cache, _, ctx, tables = args
-    out = pre.paged_prefill_attention(*args, 0.2, 1)
-    torch.testing.assert_close(out, dec.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, 2))
 
 
 @LAYOUTS
