@@ -1,8 +1,6 @@
 """The paged prompt-attention kernel vs its torch reference and a naive computation, and both
-attention kernels writing one mixed step's output.
-
-Without CUDA the kernels run through the Triton interpreter on CPU (fp32/fp16 only: the
-interpreter gets bf16 ``tl.dot`` wrong); with CUDA the same checks run on the GPU.
+attention kernels writing one mixed step's output; on CPU under the Triton interpreter, on a GPU
+machine on the device too, as ``test_attention_kernels.py``.
 """
 
 import pytest
@@ -21,7 +19,6 @@ from tests.kernels.paged_attention_cases import (
     prefill_inputs,
 )
 
-# on a GPU machine these run on the device too (``-m gpu``); on CPU, under the interpreter
 pytestmark = pytest.mark.gpu
 
 
