@@ -125,6 +125,7 @@ def main() -> None:
     while not (step := sched.schedule()).batch.is_decode:  # every prompt's K/V in the cache
         llm.output_processor.process(step, runner.run(step.batch))
     inputs = runner.inputs.build(step.batch)
+    inputs.resolve(runner.last_sampled, runner.inputs.slot_table.block_tables.device)  # block tables
     n, half = len(step.batch), len(step.batch) // 2
     ids = torch.zeros(n, dtype=torch.int64, device="cuda")  # the tokens do not change the time
     pos, meta, model = inputs.positions, inputs.meta, runner.model

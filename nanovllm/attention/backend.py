@@ -1,7 +1,7 @@
 """The interface every attention backend implements, and the metadata it reads."""
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -19,15 +19,15 @@ class AttentionMetadata:
     """Where this step's tokens go in the paged cache and what each query attends to.
 
     ``context_lens`` counts each sequence's cached tokens after this step's tokens are
-    stored; for decode there is one query token per sequence. Per-row tensor fields declare
-    the value of a padding row, so a decode batch can be copied into a larger captured one
-    (:meth:`static_copy`, :meth:`copy_rows_from`) whatever fields exist.
+    stored; for decode there is one query token per sequence. Per-row fields of a decode step
+    declare the value of a row that only pads it (up to a CUDA graph's batch size, :meth:`padding`).
     """
 
     is_prefill: bool
     slot_mapping: torch.Tensor = _padded(-1, "store no K/V")
-    context_lens: torch.Tensor = _padded(1, "attend to one key, of block 0")
-    block_tables: torch.Tensor = _padded(0, "block 0, which exists")
+    context_lens: torch.Tensor = _padded(1, "attend to one key, in the row's first block")
+    block_tables: torch.Tensor
+    """``[rows, max_blocks_per_seq]`` block ids (a padding row's are some slot's: they exist)."""
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 1
@@ -50,31 +50,13 @@ class AttentionMetadata:
     def num_decode_tokens(self) -> int:
         return 0 if self.decode is None else self.decode.context_lens.shape[0]
 
-    def _row_fields(self) -> list[tuple[str, int]]:
-        """(name, padding value) of every tensor field set in this instance."""
-        out = []
-        for f in fields(self):
-            if isinstance(getattr(self, f.name), torch.Tensor):
-                if "pad" not in f.metadata:
-                    raise ValueError(f"AttentionMetadata.{f.name} has no padding value: it cannot be padded")
-                out.append((f.name, f.metadata["pad"]))
-        return out
-
-    def static_copy(self) -> "AttentionMetadata":
-        """A copy whose tensors a CUDA graph can read: later batches are copied into them."""
-        return replace(self, **{name: getattr(self, name).clone() for name, _ in self._row_fields()})
-
-    def first_rows(self, n: int) -> "AttentionMetadata":
-        """A view of the first ``n`` rows (host-side values unchanged)."""
-        return replace(self, **{name: getattr(self, name)[:n] for name, _ in self._row_fields()})
-
-    def copy_rows_from(self, other: "AttentionMetadata", num_rows: int) -> None:
-        """Copy ``other``'s rows into the first of ours and pad the rest up to ``num_rows``."""
-        for name, pad in self._row_fields():
-            mine, theirs = getattr(self, name), getattr(other, name)
-            n = theirs.shape[0]
-            mine[:n].copy_(theirs)
-            mine[n:num_rows].fill_(pad)
+    @staticmethod
+    def padding(name: str) -> int:
+        """The value of per-row field ``name`` in a row that only pads a batch."""
+        pads = {f.name: f.metadata["pad"] for f in fields(AttentionMetadata) if "pad" in f.metadata}
+        if name not in pads:
+            raise ValueError(f"AttentionMetadata.{name} has no padding value; those that do: {sorted(pads)}")
+        return pads[name]
 
 
 @dataclass(slots=True)

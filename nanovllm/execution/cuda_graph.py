@@ -4,9 +4,7 @@ from collections.abc import Callable
 
 import torch
 
-from nanovllm.attention import AttentionMetadata
-
-DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+DecodeForward = Callable[[], torch.Tensor]
 
 
 def batch_size_ladder(max_num_seqs: int) -> list[int]:
@@ -16,53 +14,38 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captures ``forward`` on decode batches of each ladder size; replays the smallest that
-    fits a batch.
+    """A CUDA graph of the decode step's forward pass at each ladder batch size; a step runs on
+    the smallest that holds it.
 
-    ``example`` is a decode batch of the largest size; its metadata becomes the static
-    buffers the graphs read. A batch is copied into them, and the rows past it are padded
-    with the values :class:`AttentionMetadata` declares (no KV stored, one key attended), so a
-    new metadata field needs no change here. Input ids and positions of padding rows keep
-    stale (valid) values.
+    ``prepare(bs)`` readies a step of ``bs`` rows (its inputs uploaded where every step of
+    ``bs`` rows puts them) and returns the forward pass over those inputs, which is captured:
+    a later step of at most ``bs`` rows, padded to ``bs`` and uploaded there, replays it.
     """
 
-    def __init__(
-        self,
-        forward: DecodeForward,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        example: AttentionMetadata,
-        max_num_seqs: int,
-    ):
+    def __init__(self, prepare: Callable[[int], DecodeForward], max_num_seqs: int):
         self.batch_sizes = batch_size_ladder(max_num_seqs)
-        if input_ids.shape[0] != self.batch_sizes[-1]:
-            raise ValueError(f"the example batch has {input_ids.shape[0]} rows, not {self.batch_sizes[-1]}")
-        self.input_ids, self.positions = input_ids.clone(), positions.clone()
-        self.meta = example.static_copy()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         pool = None
         with torch.inference_mode():
             for bs in reversed(self.batch_sizes):  # largest first, so smaller ones reuse its pool
-                args = (self.input_ids[:bs], self.positions[:bs], self.meta.first_rows(bs))
-                forward(*args)  # warm-up: compiles kernels outside the capture
+                forward = prepare(bs)
+                forward()  # warm-up: compiles kernels outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool):
-                    self.outputs[bs] = forward(*args)
+                    self.outputs[bs] = forward()
                 pool = graph.pool() if pool is None else pool
                 self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def replay(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        n = input_ids.shape[0]
-        bs = next(b for b in self.batch_sizes if b >= n)
-        self.input_ids[:n] = input_ids
-        self.positions[:n] = positions
-        self.meta.copy_rows_from(meta, bs)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+    def padded_size(self, num_rows: int) -> int | None:
+        """The batch size a decode step of ``num_rows`` rows replays at; None past the largest."""
+        return next((b for b in self.batch_sizes if b >= num_rows), None)
+
+    def replay(self, batch_size: int) -> torch.Tensor:
+        """Run the graph of ``batch_size`` rows on what its inputs hold now; its output rows."""
+        self.graphs[batch_size].replay()
+        return self.outputs[batch_size]
 
     def close(self) -> None:
         self.graphs.clear()

@@ -120,7 +120,9 @@ class ModelRunner:
                 config, self.device, self.model.uses_rope_lengths, samples=self.tp.rank == 0
             )
             self.bitmasks = BitmaskUpload(self.device, config.max_num_seqs, config.hf_config.vocab_size)
-        self.last_sampled: torch.Tensor | None = None
+            self.last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+            """The latest step's samples (-1 markers as token 0), where the next step's inputs
+            (and the decode graphs) read them."""
         self.unsampled: PendingOutput | None = None
         """A launched step still waiting for its token bitmask."""
         self.graphs: DecodeGraphs | None = None
@@ -190,24 +192,27 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     def _capture_decode_graphs(self) -> DecodeGraphs:
-        n = self.config.max_num_seqs
-        example = dummy_batch([1] * n, self.config.kvcache_block_size)
-        inputs = self.inputs.build(example)
-        return DecodeGraphs(self.model, inputs.input_ids, inputs.positions, inputs.meta, n)
+        def prepare(bs: int) -> Callable[[], torch.Tensor]:
+            example = self.inputs.build(dummy_batch([1] * bs, self.config.kvcache_block_size), pad_to=bs)
+            return functools.partial(self.forward, example)
+
+        return DecodeGraphs(prepare, self.config.max_num_seqs)
 
     # --- one step ----------------------------------------------------------------------------
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model's hidden states for a step's uploaded inputs: all a decode graph holds."""
+        input_ids = inputs.resolve(self.last_sampled, self.inputs.slot_table.block_tables.device)
+        return self.model(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths)
+
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> PendingOutput | None:
         """Enqueue one step on the device; rank 0 gets a handle on its output."""
-        inputs = self.inputs.build(batch)
-        input_ids = inputs.input_ids
-        if inputs.previous_sample_rows is not None:
-            previous = self.last_sampled[inputs.previous_sample_rows]
-            input_ids = torch.cat((previous, input_ids)) if input_ids.numel() else previous
-        if batch.is_decode and self.graphs is not None and inputs.rope_lengths is None:
-            hidden = self.graphs.replay(input_ids, inputs.positions, inputs.meta)
+        pad_to = self.graphs.padded_size(len(batch)) if self.graphs is not None and batch.is_decode else None
+        inputs = self.inputs.build(batch, pad_to=pad_to)
+        if inputs.padded_rows is not None:
+            hidden = self.graphs.replay(inputs.padded_rows)[: len(batch)]
         else:
-            hidden = self.model(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths)
+            hidden = self.forward(inputs)
         prompt_lp = None
         if batch.prompt_logprobs:  # before keeping only each row's last token
             requests = batch.prompt_logprobs
@@ -217,8 +222,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if self.tp.rank != 0:
             if self.tp.size > 1 and self.config.async_scheduling:  # rank 0's samples, for a step ahead
-                self.last_sampled = torch.empty(len(batch), dtype=torch.int64, device=self.device)
-                dist.broadcast(self.last_sampled, src=0)
+                dist.broadcast(self.last_sampled[: len(batch)], src=0)
             return None
         prompt_lengths = [len(r.target_ids) for r in batch.prompt_logprobs]
         pending = PendingOutput(prompt_lp, prompt_lengths)
@@ -250,9 +254,9 @@ class ModelRunner:
             logprobs = token_logprobs(logits, sampled, inputs.max_logprobs)
         # a step planned ahead embeds these: a row without a token (a negative marker, its
         # sequence ends) feeds token 0 instead
-        self.last_sampled = sampled.clamp(min=0)
+        last_sampled = torch.clamp(sampled, min=0, out=self.last_sampled[: sampled.shape[0]])
         if self.tp.size > 1 and self.config.async_scheduling:
-            dist.broadcast(self.last_sampled, src=0)
+            dist.broadcast(last_sampled, src=0)
         pending.sampled_as(sampled, logprobs)
         self.unsampled = None
 

@@ -40,9 +40,10 @@ class BlockTables:
         """Copy uploaded host rows of the table into the device table."""
         self.device.index_copy_(0, slots, values)
 
-    def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """``[len(slots), max_blocks_per_seq]``: the tables of a batch's slots, in batch order."""
-        return self.device.index_select(0, slots)
+    @property
+    def width(self) -> int:
+        """Block ids a slot's table holds (``max_blocks_per_seq``)."""
+        return self.host.shape[1]
 
 
 class SlotTable:

@@ -12,14 +12,23 @@ from nanovllm.execution.slot_table import SlotTable
 from nanovllm.execution.upload import upload
 from nanovllm.scheduling import StepBatch
 
+_PADDED_TAIL_BYTES = 1 << 20
+"""Room after a padded decode step's rows in its upload buffer, for its sampling arrays and
+block-table changes (more goes to a buffer of its own)."""
+
 
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
-    """Token ids of the rows after the first ``len(previous_sample_rows)``."""
-    previous_sample_rows: torch.Tensor | None
-    """Rows of the previous step's sampled tokens: the inputs of this step's first rows."""
+    """One per token; a token taken from the previous step's samples (``sampled_from``) holds 0."""
+    sampled_from: torch.Tensor | None
+    """One per token: the row of the previous step's samples that is this token, or -1 (the token
+    is in ``input_ids``); None when no token is a sample."""
     positions: torch.Tensor
+    slots: torch.Tensor
+    """Each row's slot, whose block table :meth:`resolve` gathers into ``block_tables``."""
+    block_tables: torch.Tensor
+    """``[rows, max_blocks_per_seq]``, filled by :meth:`resolve`; ``meta``'s tables are its views."""
     meta: AttentionMetadata
     sampling: SamplingTensors | None
     last_token_index: torch.Tensor | None
@@ -29,26 +38,66 @@ class StepInputs:
     rope_lengths: torch.Tensor | None = None
     """For a model whose rotary embedding depends on the sequence length: each token's
     ``max(position + 1, prompt length)``; None where that is ``position + 1`` throughout."""
+    padded_rows: int | None = None
+    """A decode step padded to this many rows, its inputs at the addresses every step of that
+    many rows uses (what a CUDA graph captured reads); None: not padded."""
+
+    def resolve(self, last_sampled: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        """The device work between the upload and the model: the rows' block tables gathered
+        from ``block_table`` (the slots' device table) into ``meta``, and the step's input ids
+        returned, the previous step's samples (``last_sampled``) taken in."""
+        torch.index_select(block_table, 0, self.slots, out=self.block_tables)
+        if self.sampled_from is None:
+            return self.input_ids
+        taken = last_sampled[self.sampled_from.clamp(min=0)]
+        return torch.where(self.sampled_from >= 0, taken, self.input_ids)
 
 
 @dataclass(slots=True)
 class _TokenArrays:
-    """A step's per-token and per-row arrays, built on the host, then uploaded in place."""
+    """A step's per-token and per-row arrays, built on the host, then uploaded in place; a
+    padded decode step's are all set, in this order, before any optional one."""
 
     positions: np.ndarray  # first, at storage offset 0: compiled code guards on its inputs' offsets
     input_ids: np.ndarray
+    sampled_from: np.ndarray | None
     slot_mapping: np.ndarray
     slots: np.ndarray
     context_lens: np.ndarray
     decode_order: np.ndarray
     """Longest first: a decode program that starts last should not be a long one."""
     rope_lengths: np.ndarray | None = None
-    previous_sample_rows: np.ndarray | None = None
-    stale_slots: np.ndarray | None = None
-    stale_tables: np.ndarray | None = None
     cu_seqlens_q: np.ndarray | None = None
     cu_seqlens_k: np.ndarray | None = None
     last_token_index: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class _TableChanges:
+    """Slots whose device block table is stale, and their host rows."""
+
+    slots: np.ndarray
+    tables: np.ndarray
+
+
+def _pad_rows(arrays: _TokenArrays, rows: int) -> None:
+    """Pad every per-row array of a decode step up to ``rows``: a padding row takes sample row
+    -1 (token 0), slot 0, and the metadata's declared padding values (no K/V stored, one key)."""
+    pads = {
+        "positions": 0,
+        "input_ids": 0,
+        "sampled_from": -1,
+        "slots": 0,
+        **{f: AttentionMetadata.padding(f) for f in ("slot_mapping", "context_lens", "decode_order")},
+    }
+    n = arrays.positions.shape[0]
+    if rows < n:
+        raise ValueError(f"cannot pad a decode step of {n} rows to {rows}")
+    if arrays.sampled_from is None:  # a padded step always has it: its graph reads it
+        arrays.sampled_from = np.full(n, -1, dtype=np.int64)
+    for name, value in pads.items():
+        a = getattr(arrays, name)
+        setattr(arrays, name, np.concatenate((a, np.full(rows - a.shape[0], value, dtype=a.dtype))))
 
 
 class StepInputBuilder:
@@ -70,8 +119,13 @@ class StepInputBuilder:
             device,
             samples,
         )
+        self._padded_upload: torch.Tensor | None = None
+        self._padded_tables: torch.Tensor | None = None
 
-    def build(self, batch: StepBatch) -> StepInputs:
+    def build(self, batch: StepBatch, pad_to: int | None = None) -> StepInputs:
+        """The step's inputs on the device. ``pad_to``: a decode step is padded to that many
+        rows and uploaded into the padded steps' own buffer (``StepInputs.padded_rows``), unless
+        it needs rope lengths."""
         bs, n, d = self.block_size, len(batch), batch.num_single_token_rows
         table = self.slot_table
         slots = np.asarray(batch.slots, dtype=np.int64)
@@ -87,9 +141,17 @@ class StepInputBuilder:
             positions = np.arange(cu_q[-1]) - cu_q[:-1][row_of_token] + starts[row_of_token]
         context_lens = starts + q_lens
         blocks = table.block_tables.host[slots[row_of_token], positions // bs].astype(np.int64)
+        k = len(batch.previous_sample_rows)
+        input_ids = np.zeros(positions.shape[0], dtype=np.int64)
+        input_ids[k:] = batch.token_ids
+        sampled_from = None
+        if k:
+            sampled_from = np.full(positions.shape[0], -1, dtype=np.int64)
+            sampled_from[:k] = batch.previous_sample_rows
         arrays = _TokenArrays(
             positions=positions,
-            input_ids=np.asarray(batch.token_ids, dtype=np.int64),
+            input_ids=input_ids,
+            sampled_from=sampled_from,
             slot_mapping=blocks * bs + positions % bs,
             slots=slots,
             context_lens=context_lens.astype(np.int32),
@@ -101,11 +163,10 @@ class StepInputBuilder:
             # decode steps go without (CUDA graphs), unless a one-token prompt chunk needs it
             if not batch.is_decode or (lengths > positions + 1).any():
                 arrays.rope_lengths = lengths
-        if batch.previous_sample_rows:
-            arrays.previous_sample_rows = np.asarray(batch.previous_sample_rows, dtype=np.int64)
-        if stale_slots.size:
-            arrays.stale_slots = stale_slots
-            arrays.stale_tables = table.block_tables.host[stale_slots]
+        padded_rows = None
+        if batch.is_decode and pad_to is not None and arrays.rope_lengths is None:
+            padded_rows = pad_to
+            _pad_rows(arrays, padded_rows)
         if not batch.is_decode:  # the prompt rows, after the single-token rows
             cu_k = np.zeros(n - d + 1, dtype=np.int32)
             np.cumsum(context_lens[d:], out=cu_k[1:])
@@ -118,13 +179,23 @@ class StepInputBuilder:
             sampling = table.sampling.gather(slots, context_lens - prompt_lens)
             sampling.processing = table.logits.gather(slots, context_lens, prompt_lens)
             max_logprobs = table.sampling.max_logprobs(slots)
-        groups = [arrays] if sampling is None else [arrays, sampling]
-        if sampling is not None and sampling.processing is not None:
-            groups.append(sampling.processing)
-        upload(self.device, *groups)
+        groups = [arrays]
+        changes = None
         if stale_slots.size:
-            table.block_tables.write_slots(arrays.stale_slots, arrays.stale_tables)
-        block_tables = table.block_tables.gather(arrays.slots)
+            changes = _TableChanges(stale_slots, table.block_tables.host[stale_slots])
+            groups.append(changes)
+        if sampling is not None:
+            groups.append(sampling)
+            if sampling.processing is not None:
+                groups.append(sampling.processing)
+        if padded_rows is None:
+            upload(self.device, *groups)
+            block_tables = torch.empty((n, table.block_tables.width), dtype=torch.int32, device=self.device)
+        else:
+            upload(self.device, *groups, into=self._padded_buffer())
+            block_tables = self._padded_tables[:padded_rows]
+        if changes is not None:
+            table.block_tables.write_slots(changes.slots, changes.tables)
         if batch.is_decode:
             meta = AttentionMetadata(
                 is_prefill=False,
@@ -139,14 +210,29 @@ class StepInputBuilder:
             meta = self._mixed_metadata(arrays, block_tables, d, starts, q_lens, context_lens)
         return StepInputs(
             arrays.input_ids,
-            arrays.previous_sample_rows,
+            arrays.sampled_from,
             arrays.positions,
+            arrays.slots,
+            block_tables,
             meta,
             sampling,
             arrays.last_token_index,
             max_logprobs,
             arrays.rope_lengths,
+            padded_rows,
         )
+
+    def _padded_buffer(self) -> torch.Tensor:
+        """The upload buffer of padded decode steps (and the block tables they gather into),
+        made at the first such step: room for ``max_num_seqs`` rows and a tail."""
+        if self._padded_upload is None:
+            table = self.slot_table.block_tables
+            rows = table.host.shape[0]
+            # its seven per-row arrays, of at most 8 bytes a row, each 16-byte aligned
+            size = 7 * (rows * 8 + 16) + _PADDED_TAIL_BYTES
+            self._padded_upload = torch.zeros(size, dtype=torch.uint8, device=self.device)
+            self._padded_tables = torch.zeros((rows, table.width), dtype=torch.int32, device=self.device)
+        return self._padded_upload
 
     @staticmethod
     def _mixed_metadata(arrays, block_tables, d, starts, q_lens, context_lens) -> AttentionMetadata:

@@ -28,8 +28,7 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, int]:
         )
         runner = llm.executor.runner
         with torch.inference_mode():
-            inputs = runner.inputs.build(batch)
-            hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = runner.forward(runner.inputs.build(batch))
             logits = runner.model.compute_logits(hidden)
         return logits.float().cpu(), start
     finally:

@@ -51,7 +51,10 @@ def test_a_mixed_step_attends_as_each_row_alone(config, backend, dtype):
         new_slots=[NewSlot(r, s + n, SamplingParams()) for r, (s, n) in enumerate(ROWS)],
         block_table_updates=[BlockTableUpdate(r, 0, t) for r, t in enumerate(tables)],
     )
-    meta = StepInputBuilder(config, torch.device(DEVICE), samples=False).build(batch).meta
+    builder = StepInputBuilder(config, torch.device(DEVICE), samples=False)
+    inputs = builder.build(batch)
+    inputs.resolve(torch.zeros(len(ROWS), dtype=torch.int64), builder.slot_table.block_tables.device)
+    meta = inputs.meta
     assert meta.is_prefill and meta.num_decode_tokens == 2 and meta.has_prefix
     assert meta.seqlens_q == (9, 6)  # the prompt rows, on the host
 

@@ -5,12 +5,14 @@ prefill and decode steps planned ahead; every step's tensors are checked against
 sequences themselves say.
 """
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from nanovllm.config import Config
+from nanovllm.execution.cuda_graph import batch_size_ladder
 from nanovllm.execution.step_inputs import StepInputBuilder
 from nanovllm.scheduling import ScheduledStep
 from tests.scheduling.harness import VOCAB, Harness
@@ -18,17 +20,29 @@ from tests.scheduling.harness import VOCAB, Harness
 BLOCK, SEQS, MAX_LEN = 4, 6, 48
 
 
+LAST_SAMPLED = torch.arange(1000, 1000 + SEQS)  # the previous step's samples, told apart
+
+
 class CheckedHarness(Harness):
-    def __init__(self, builder: StepInputBuilder, **options):
+    def __init__(self, builder: StepInputBuilder, pad_decodes: bool = False, **options):
         super().__init__(max_num_seqs=SEQS, max_model_len=MAX_LEN, block_size=BLOCK, **options)
         self.builder = builder
-        self.steps_checked = 0
+        self.pad_decodes = pad_decodes
+        """Build decode steps padded to a graph's batch size, as the decode graphs take them."""
+        self.steps_checked = self.padded_steps = 0
         self.decode_steps_with_rope_lengths = 0
+        self.padded_addresses: dict[int, list[int]] = {}
 
     def apply_batch(self, step: ScheduledStep) -> None:
         super().apply_batch(step)
-        inputs = self.builder.build(step.batch)
-        b, meta = step.batch, inputs.meta
+        b = step.batch
+        pad = next(s for s in batch_size_ladder(SEQS) if s >= len(b)) if self.pad_decodes else None
+        inputs = self.builder.build(b, pad_to=pad if b.is_decode else None)
+        resolved_ids = inputs.resolve(LAST_SAMPLED, self.builder.slot_table.block_tables.device)
+        if inputs.padded_rows is not None:
+            assert inputs.padded_rows == pad
+            inputs, resolved_ids = self.check_padding(inputs, resolved_ids, len(b))
+        meta = inputs.meta
         positions, slots, ids, token_seqs = [], [], [], []
         for seq, start, n in zip(step.seqs, b.start_positions, b.num_tokens):
             positions += range(start, start + n)
@@ -54,11 +68,12 @@ class CheckedHarness(Harness):
         if b.is_decode:
             assert meta.context_lens.tolist() == [s + n for s, n in zip(b.start_positions, b.num_tokens)]
         k, d = len(b.previous_sample_rows), b.num_single_token_rows
-        assert inputs.input_ids.tolist() == ids  # the first k rows' tokens are still in flight
+        # the first k rows' tokens are still in flight: the previous step's samples stand in
+        assert resolved_ids.tolist() == [1000 + r for r in b.previous_sample_rows] + ids
         if k:
-            assert inputs.previous_sample_rows.tolist() == b.previous_sample_rows
-        else:
-            assert inputs.previous_sample_rows is None
+            assert inputs.sampled_from.tolist() == b.previous_sample_rows + [-1] * len(ids)
+        elif inputs.padded_rows is None:
+            assert inputs.sampled_from is None
         ends = [s + n for s, n in zip(b.start_positions, b.num_tokens)]
         decode_meta = meta if b.is_decode else meta.decode
         if decode_meta is not None:  # decode attention takes the rows longest context first
@@ -82,18 +97,46 @@ class CheckedHarness(Harness):
             assert meta.block_tables.tolist() == meta_tables[d:]
         self.steps_checked += 1
 
+    def check_padding(self, inputs, resolved_ids, n):
+        """A padded decode step: its rows past ``n`` hold the padding values, and every step padded
+        to the same size finds its inputs at the same addresses (where a graph reads them). Returns
+        the step cut to its ``n`` rows."""
+        rows, meta = inputs.padded_rows, inputs.meta
+        assert resolved_ids.shape[0] == rows
+        assert inputs.sampled_from[n:].tolist() == [-1] * (rows - n) and (resolved_ids[n:] == 0).all()
+        assert meta.slot_mapping[n:].tolist() == [-1] * (rows - n)  # no K/V stored
+        assert meta.context_lens[n:].tolist() == [1] * (rows - n)  # one key read
+        assert meta.decode_order[n:].tolist() == [-1] * (rows - n)
+        fields = (inputs.input_ids, inputs.sampled_from, inputs.positions, inputs.slots, inputs.block_tables)
+        meta_fields = (meta.slot_mapping, meta.context_lens, meta.block_tables, meta.decode_order)
+        addresses = [t.data_ptr() for t in fields + meta_fields]
+        assert self.padded_addresses.setdefault(rows, addresses) == addresses
+        self.padded_steps += 1
+        cut = dataclasses.replace(
+            meta,
+            slot_mapping=meta.slot_mapping[:n],
+            context_lens=meta.context_lens[:n],
+            block_tables=meta.block_tables[:n],
+            decode_order=meta.decode_order[:n],
+        )
+        short = dataclasses.replace(inputs, positions=inputs.positions[:n], meta=cut)
+        short.sampled_from = None if (inputs.sampled_from[:n] < 0).all() else inputs.sampled_from[:n]
+        return short, resolved_ids[:n]
+
 
 @pytest.fixture(scope="module")
 def config(qwen3_dir) -> Config:
     return Config(qwen3_dir, device="cpu", kvcache_block_size=BLOCK, max_num_seqs=SEQS, max_model_len=MAX_LEN)
 
 
+@pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("mixed", [False, True], ids=["split", "mixed"])
 @pytest.mark.parametrize("plan_ahead", [False, True])
 @pytest.mark.parametrize("num_blocks", [12, 200])
-def test_inputs_follow_the_sequences_through_a_workload(config, plan_ahead, num_blocks, mixed):
+def test_inputs_follow_the_sequences_through_a_workload(config, plan_ahead, num_blocks, mixed, pad):
     h = CheckedHarness(
         StepInputBuilder(config, torch.device("cpu")),
+        pad_decodes=pad,
         num_blocks=num_blocks,
         max_num_batched_tokens=20,
         mixed=mixed,
@@ -109,6 +152,7 @@ def test_inputs_follow_the_sequences_through_a_workload(config, plan_ahead, num_
         h.run()
     h.check_done()
     assert h.steps_checked > 20
+    assert (h.padded_steps > 0) == pad
     if num_blocks == 12:
         assert h.sched.num_preemptions > 0
 

@@ -47,7 +47,42 @@ def test_every_array_arrives_with_its_values_dtype_and_shape_from_one_buffer() -
     assert all(t.untyped_storage().data_ptr() == base for t in tensors)  # one buffer
     offsets = [t.data_ptr() - base for t in tensors]
     assert offsets[0] == 0 and all(o % 16 == 0 for o in offsets)
-    assert max(offsets[0], b.odd.data_ptr() - base) < min(offsets[1:4])  # 8-byte arrays first
+    assert offsets == sorted(offsets)  # in field order, groups in order
+
+
+def arrays(rows: int, odd: int) -> tuple[Arrays, More]:
+    a = Arrays(
+        ints=np.arange(rows, dtype=np.int64),
+        small=np.arange(rows, dtype=np.int32) * 2,
+        floats=np.ones(rows, dtype=np.float32),
+        table=np.zeros((rows, 3), dtype=np.int32),
+        empty=np.zeros(0, dtype=np.int64),
+    )
+    return a, More(odd=np.arange(odd, dtype=np.int64) + 7)
+
+
+def test_into_a_buffer_the_first_group_lands_at_the_same_addresses_every_time() -> None:
+    into = torch.zeros(1024, dtype=torch.uint8)
+    upload(torch.device("cpu"), *arrays(4, 3), into=into)  # the others fit: all in `into`
+    addresses = None
+    for odd in (3, 200):  # 200 int64s do not fit: the second group goes to a buffer of its own
+        a, b = arrays(4, odd)
+        upload(torch.device("cpu"), a, b, into=into)
+        seen = [t.data_ptr() for t in (a.ints, a.small, a.floats, a.table)]
+        assert addresses is None or seen == addresses
+        addresses = seen
+        assert a.ints.untyped_storage().data_ptr() == into.untyped_storage().data_ptr()
+        assert a.ints.data_ptr() == into.data_ptr()
+        in_into = b.odd.untyped_storage().data_ptr() == into.untyped_storage().data_ptr()
+        assert in_into == (odd == 3)
+        assert torch.equal(b.odd, torch.arange(odd) + 7) and torch.equal(a.small, torch.arange(4) * 2)
+        assert a.table.shape == (4, 3) and torch.equal(a.floats, torch.ones(4))
+
+
+def test_a_first_group_larger_than_the_buffer_is_refused() -> None:
+    a, b = arrays(100, 1)
+    with pytest.raises(ValueError, match="the first group's arrays take"):
+        upload(torch.device("cpu"), a, b, into=torch.zeros(64, dtype=torch.uint8))
 
 
 def test_an_array_of_another_dtype_is_refused_by_name() -> None:
