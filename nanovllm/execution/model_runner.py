@@ -191,12 +191,14 @@ class ModelRunner:
         self.kv_cache.layers[0].warm_up(longest, getattr(torch, self.config.dtype))  # layers alike
         torch.cuda.synchronize()
 
-    def _capture_decode_graphs(self) -> DecodeGraphs:
+    def _capture_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
+        """The decode graphs; ``capture=False``: their forward passes run eagerly (tests on CPU)."""
+
         def prepare(bs: int) -> Callable[[], torch.Tensor]:
             example = self.inputs.build(dummy_batch([1] * bs, self.config.kvcache_block_size), pad_to=bs)
             return functools.partial(self.forward, example)
 
-        return DecodeGraphs(prepare, self.config.max_num_seqs)
+        return DecodeGraphs(prepare, self.config.max_num_seqs, capture)
 
     # --- one step ----------------------------------------------------------------------------
     def forward(self, inputs: StepInputs) -> torch.Tensor:
