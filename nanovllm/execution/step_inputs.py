@@ -80,24 +80,29 @@ class _TableChanges:
     tables: np.ndarray
 
 
+_ROW_PADDING = {
+    "positions": 0,
+    "input_ids": 0,
+    "sampled_from": -1,
+    "slots": 0,
+    **{f: AttentionMetadata.padding(f) for f in ("slot_mapping", "context_lens", "decode_order")},
+}
+"""A padding row's values: sample row -1 (token 0), slot 0, and the metadata's own padding (no
+K/V stored, one key read)."""
+
+
 def _pad_rows(arrays: _TokenArrays, rows: int) -> None:
-    """Pad every per-row array of a decode step up to ``rows``: a padding row takes sample row
-    -1 (token 0), slot 0, and the metadata's declared padding values (no K/V stored, one key)."""
-    pads = {
-        "positions": 0,
-        "input_ids": 0,
-        "sampled_from": -1,
-        "slots": 0,
-        **{f: AttentionMetadata.padding(f) for f in ("slot_mapping", "context_lens", "decode_order")},
-    }
+    """Pad every per-row array of a decode step up to ``rows`` (:data:`_ROW_PADDING`)."""
     n = arrays.positions.shape[0]
     if rows < n:
         raise ValueError(f"cannot pad a decode step of {n} rows to {rows}")
     if arrays.sampled_from is None:  # a padded step always has it: its graph reads it
         arrays.sampled_from = np.full(n, -1, dtype=np.int64)
-    for name, value in pads.items():
+    if rows == n:
+        return
+    for name, value in _ROW_PADDING.items():
         a = getattr(arrays, name)
-        setattr(arrays, name, np.concatenate((a, np.full(rows - a.shape[0], value, dtype=a.dtype))))
+        setattr(arrays, name, np.concatenate((a, np.full(rows - n, value, dtype=a.dtype))))
 
 
 class StepInputBuilder:
