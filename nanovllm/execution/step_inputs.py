@@ -197,8 +197,9 @@ class StepInputBuilder:
             upload(self.device, *groups)
             block_tables = torch.empty((n, table.block_tables.width), dtype=torch.int32, device=self.device)
         else:
-            upload(self.device, *groups, into=self._padded_buffer())
-            block_tables = self._padded_tables[:padded_rows]
+            into, tables = self._padded_buffers()
+            upload(self.device, *groups, into=into)
+            block_tables = tables[:padded_rows]
         if changes is not None:
             table.block_tables.write_slots(changes.slots, changes.tables)
         if batch.is_decode:
@@ -227,17 +228,17 @@ class StepInputBuilder:
             padded_rows,
         )
 
-    def _padded_buffer(self) -> torch.Tensor:
-        """The upload buffer of padded decode steps (and the block tables they gather into),
-        made at the first such step: room for ``max_num_seqs`` rows and a tail."""
+    def _padded_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The upload buffer of padded decode steps (room for ``max_num_seqs`` rows and a tail)
+        and the block tables they gather into, made at the first such step."""
         if self._padded_upload is None:
             table = self.slot_table.block_tables
             rows = table.host.shape[0]
-            # its seven per-row arrays, of at most 8 bytes a row, each 16-byte aligned
-            size = 7 * (rows * 8 + 16) + _PADDED_TAIL_BYTES
+            # its per-row arrays, of at most 8 bytes a row, each 16-byte aligned
+            size = len(_ROW_PADDING) * (rows * 8 + 16) + _PADDED_TAIL_BYTES
             self._padded_upload = torch.zeros(size, dtype=torch.uint8, device=self.device)
             self._padded_tables = torch.zeros((rows, table.width), dtype=torch.int32, device=self.device)
-        return self._padded_upload
+        return self._padded_upload, self._padded_tables
 
     @staticmethod
     def _mixed_metadata(arrays, block_tables, d, starts, q_lens, context_lens) -> AttentionMetadata:
