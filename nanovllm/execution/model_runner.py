@@ -193,12 +193,14 @@ class ModelRunner:
 
     def _capture_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
         """The decode graphs; ``capture=False``: their forward passes run eagerly (tests on CPU)."""
+        block_size, n = self.config.kvcache_block_size, self.config.max_num_seqs
+        self.inputs.build(dummy_batch([1] * n, block_size))  # every slot's table and sampling, once
 
         def prepare(bs: int) -> Callable[[], torch.Tensor]:
-            example = self.inputs.build(dummy_batch([1] * bs, self.config.kvcache_block_size), pad_to=bs)
+            example = self.inputs.build(dummy_batch([1] * bs, block_size, new_slots=False), pad_to=bs)
             return functools.partial(self.forward, example)
 
-        return DecodeGraphs(prepare, self.config.max_num_seqs, capture)
+        return DecodeGraphs(prepare, n, capture)
 
     # --- one step ----------------------------------------------------------------------------
     def forward(self, inputs: StepInputs) -> torch.Tensor:

@@ -33,22 +33,21 @@ def warm_up_lens(config: Config) -> list[tuple[list[int], int]]:
     return steps
 
 
-def dummy_batch(lens: list[int], block_size: int, prefix: int = 0) -> StepBatch:
+def dummy_batch(lens: list[int], block_size: int, prefix: int = 0, new_slots: bool = True) -> StepBatch:
     """Slots 0.. computing ``lens`` zero tokens after ``prefix`` cached ones, every block id 0,
-    sampled at temperature 1; rows of one token go first."""
+    sampled at temperature 1; rows of one token go first. ``new_slots=False``: the slots' tables
+    and sampling are those an earlier dummy batch of as many rows or more set up."""
     lens = sorted(lens, key=lambda n: n > 1)
+    slots = list(range(len(lens))) if new_slots else []
+    params = SamplingParams(temperature=1.0)  # one for all rows: checking each costs ~10 us
     return StepBatch(
         slots=list(range(len(lens))),
         num_tokens=lens,
         token_ids=[0] * sum(lens),
         start_positions=[prefix] * len(lens),
         num_single_token_rows=lens.count(1),
-        new_slots=[
-            NewSlot(slot, prefix + length, SamplingParams(temperature=1.0))
-            for slot, length in enumerate(lens)
-        ],
+        new_slots=[NewSlot(slot, prefix + lens[slot], params) for slot in slots],
         block_table_updates=[
-            BlockTableUpdate(slot, 0, [0] * -(-(prefix + length) // block_size))
-            for slot, length in enumerate(lens)
+            BlockTableUpdate(slot, 0, [0] * -(-(prefix + lens[slot]) // block_size)) for slot in slots
         ],
     )
