@@ -73,9 +73,10 @@ def admission() -> tuple[float, float]:
     return median_us(admit_and_free, number=200), median_us(lambda: bm.allocate(blocked), number=200)
 
 
-def decode_step(builder: StepInputBuilder) -> tuple[float, float, int]:
+def decode_step(builder: StepInputBuilder) -> tuple[float, float, float, int]:
     """µs to schedule (classify, reserve slots, plan) and to build the inputs of a 256-row
-    decode step; bytes of its pickle. Scheduling again before postprocessing is a no-op."""
+    decode step, as it is and padded for a CUDA graph of 256 rows; bytes of its pickle.
+    Scheduling again before postprocessing is a no-op."""
     num_seqs, context = 256, 1024
     blocks = num_seqs * (context // BLOCK + 1)
     sched = Scheduler(BlockManager(blocks, BLOCK), num_seqs, 16384, 4096)
@@ -92,6 +93,7 @@ def decode_step(builder: StepInputBuilder) -> tuple[float, float, int]:
     return (
         median_us(sched.schedule, number=20),
         median_us(lambda: builder.build(batch), number=20),
+        median_us(lambda: builder.build(batch, pad_to=num_seqs), number=20),
         len(pickle.dumps(batch)),
     )
 
@@ -109,9 +111,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as path:
         write_config(path, num_hidden_layers=1)
         config = Config(path, device="cpu", max_num_seqs=256, kvcache_block_size=BLOCK, max_model_len=4096)
-        plan, build, size = decode_step(StepInputBuilder(config, torch.device("cpu")))
+        plan, build, padded, size = decode_step(StepInputBuilder(config, torch.device("cpu")))
     print(f"schedule a 256-row decode step: {plan:7.1f} µs ({size:,} bytes pickled for TP workers)")
-    print(f"build its input tensors:       {build:8.1f} µs")
+    print(f"build its input tensors:       {build:8.1f} µs ({padded:.1f} µs padded for a graph)")
     seeds, steps = torch.arange(256), torch.arange(256)
     seeded_us = median_us(lambda: seeded_uniforms_ref(seeds, steps), number=50)
     print(f"uniforms of 256 seeded rows:   {seeded_us:8.1f} µs")
