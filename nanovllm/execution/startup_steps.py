@@ -38,7 +38,7 @@ def dummy_batch(lens: list[int], block_size: int, prefix: int = 0, new_slots: bo
     sampled at temperature 1; rows of one token go first. ``new_slots=False``: the slots' tables
     and sampling are those an earlier dummy batch of as many rows or more set up."""
     lens = sorted(lens, key=lambda n: n > 1)
-    slots = list(range(len(lens))) if new_slots else []
+    set_up = list(range(len(lens))) if new_slots else []
     params = SamplingParams(temperature=1.0)  # one for all rows: checking each costs ~10 us
     return StepBatch(
         slots=list(range(len(lens))),
@@ -46,8 +46,8 @@ def dummy_batch(lens: list[int], block_size: int, prefix: int = 0, new_slots: bo
         token_ids=[0] * sum(lens),
         start_positions=[prefix] * len(lens),
         num_single_token_rows=lens.count(1),
-        new_slots=[NewSlot(slot, prefix + lens[slot], params) for slot in slots],
+        new_slots=[NewSlot(slot, prefix + lens[slot], params) for slot in set_up],
         block_table_updates=[
-            BlockTableUpdate(slot, 0, [0] * -(-(prefix + lens[slot]) // block_size)) for slot in slots
+            BlockTableUpdate(slot, 0, [0] * -(-(prefix + lens[slot]) // block_size)) for slot in set_up
         ],
     )
