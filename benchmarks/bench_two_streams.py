@@ -9,99 +9,20 @@ K/V, at the cost of reading every weight twice. This probe starts an engine with
 sequences of ``--context`` tokens, plans a real decode step, and times CUDA graphs of the model's
 forward over its rows: the whole batch on one stream, the two halves one after the other, and
 :class:`DecodeHalves` in each of its modes. The halves' hidden states are checked against the
-whole batch's first. (On an H100 the best mode gained 2% at 256 rows of 1,024 tokens and lost
-end to end, so the engine runs the whole batch: ``benchmarks/MEASUREMENTS.md``.)
+whole batch's first. (On an H100 the best mode gained 2% at the 0.6B's 256 rows of 1,024 tokens
+and lost end to end, and lost 10-12% at the 8B's 512-625 rows: ``benchmarks/MEASUREMENTS.md``. The
+engine takes a mode with ``NANOVLLM_DECODE_HALVES``, off by default.)
 """
 
 import argparse
 import tempfile
-from collections.abc import Callable
-from dataclasses import fields, replace
 
 import torch
 
 from benchmarks.cuda_graphs import capture, replay_ms
 from nanovllm import LLM, SamplingParams
-from nanovllm.attention import AttentionMetadata
 from nanovllm.demo_models import SHAPES, write_config
-from nanovllm.layers.attention import Attention
-
-DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
-MODES = ("high", "offset-high", "attention-low")
-_HIGHEST = -8  # torch clamps a stream priority to the device's range
-
-
-def rows_of(meta: AttentionMetadata, start: int, end: int) -> AttentionMetadata:
-    """Rows ``start:end`` of a decode batch's metadata as a batch of their own, without a row
-    order (the whole batch's names rows outside them). Every tensor field of a decode batch holds
-    one row per sequence, as :meth:`AttentionMetadata.first_rows` cuts them too."""
-    tensors = [f.name for f in fields(meta) if isinstance(getattr(meta, f.name), torch.Tensor)]
-    sliced = {name: getattr(meta, name)[start:end] for name in tensors}
-    return replace(meta, **(sliced | {"decode_order": None}))
-
-
-class DecodeHalves:
-    """``forward`` over a decode batch's rows ``[0, n/2)`` and ``[n/2, n)`` on two streams, each
-    half's attention over its rows longest context first; hooks on ``attentions`` (the model's
-    attention layers, first to last) are set for the call only. ``mode``: ``high``: the second
-    half on a high-priority stream from the start; ``offset-high``: so, from the first half's
-    first attention on (one half's attention meets the other's GEMMs, not its attention);
-    ``attention-low``: offset, and every kernel but attention on high-priority streams, so that
-    SMs the attention frees go to the other half's GEMMs first."""
-
-    def __init__(self, forward: DecodeForward, attentions: list[Attention], mode: str):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.forward, self.attentions, self.mode = forward, attentions, mode
-        self.streams = [torch.cuda.Stream(priority=_HIGHEST) for _ in range(2)]
-        self.attention_streams = {s: torch.cuda.Stream() for s in self.streams}  # default: lowest
-        self.at_first_attention = torch.cuda.Event()
-
-    def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        n = input_ids.shape[0]
-        main = torch.cuda.current_stream()
-        first = self.streams[0] if self.mode == "attention-low" else main
-        second = self.streams[1]
-        hooks = [self.attentions[0].register_forward_pre_hook(lambda *_: self.at_first_attention.record())]
-        if self.mode == "attention-low":
-            for layer in self.attentions:
-                hooks.append(layer.register_forward_pre_hook(self._to_attention_stream))
-                hooks.append(layer.register_forward_hook(self._back_from_attention_stream))
-        halves = []
-        for start, end in ((0, n // 2), (n // 2, n)):
-            half = rows_of(meta, start, end)
-            half.decode_order = torch.argsort(half.context_lens, descending=True, stable=True).int()
-            halves.append((input_ids[start:end], positions[start:end], half))
-        for stream in {first, second} - {main}:
-            stream.wait_stream(main)
-        try:
-            with torch.cuda.stream(first):
-                out_first = self.forward(*halves[0])
-            hooks.pop(0).remove()
-            if self.mode != "high":
-                second.wait_event(self.at_first_attention)
-            with torch.cuda.stream(second):
-                out_second = self.forward(*halves[1])
-        finally:
-            for hook in hooks:
-                hook.remove()
-        for stream in {first, second} - {main}:
-            main.wait_stream(stream)
-        return torch.cat((out_first, out_second))
-
-    def _to_attention_stream(self, *_) -> None:
-        here = torch.cuda.current_stream()
-        there = self.attention_streams[here]
-        there.wait_stream(here)
-        torch.cuda.set_stream(there)
-
-    def _back_from_attention_stream(self, *_) -> None:
-        there = torch.cuda.current_stream()
-        here = next(s for s, a in self.attention_streams.items() if a == there)
-        here.wait_stream(there)
-        torch.cuda.set_stream(here)
+from nanovllm.execution.decode_halves import MODES, DecodeHalves, rows_of
 
 
 def main() -> None:
@@ -129,7 +50,6 @@ def main() -> None:
     n, half = len(step.batch), len(step.batch) // 2
     ids = torch.zeros(n, dtype=torch.int64, device="cuda")  # the tokens do not change the time
     pos, meta, model = inputs.positions, inputs.meta, runner.model
-    attentions = [m for m in model.modules() if isinstance(m, Attention)]
     out = {}
 
     def whole():
@@ -141,7 +61,7 @@ def main() -> None:
         )
 
     def halves(mode: str):
-        overlapped = DecodeHalves(model, attentions, mode)
+        overlapped = DecodeHalves(model, mode)
 
         def run():
             out["halves"] = overlapped(ids, pos, meta)
@@ -151,7 +71,7 @@ def main() -> None:
     with torch.inference_mode():
         graphs, outputs = {}, {}  # each graph's output tensors, which its replays overwrite
         variants = [("whole batch, one stream", whole), ("two halves, one stream", serial)]
-        variants += [(f"two halves, {mode}", halves(mode)) for mode in MODES]
+        variants += [(f"two halves, {mode}", halves(mode)) for mode in MODES[1:]]
         for name, fn in variants:
             graphs[name] = capture(fn)
             outputs[name] = dict(out)

@@ -252,3 +252,30 @@ def test_small_batch_gemm_logits_close_to_hf(tmp_path, monkeypatch):
         llm.exit()
     assert len(calls) == 2 * 4  # q/k/v, o, gate/up (with SwiGLU), down of both layers; not the LM head
     assert_bf16_logits_as_close_as_hf(ours, model_dir, prompt)
+
+
+@pytest.mark.parametrize("mode", ["high", "offset-high", "attention-low"])
+def test_decode_graphs_in_two_halves_match_hf(gpu_model_dir, prompts, hf_reference, monkeypatch, mode):
+    # every graph from 2 rows up runs its batch as two halves on two streams; rows of different
+    # lengths, so that each half's own longest-first order matters
+    monkeypatch.setenv("NANOVLLM_DECODE_HALVES", mode)
+    monkeypatch.setenv("NANOVLLM_DECODE_HALVES_MIN_ROWS", "2")
+    from nanovllm.execution.decode_halves import DecodeHalves
+
+    captured, call = [], DecodeHalves.__call__
+
+    def counted(self, input_ids, *args):
+        captured.append(len(input_ids))
+        return call(self, input_ids, *args)
+
+    monkeypatch.setattr(DecodeHalves, "__call__", counted)
+    batch = prompts + [p + [1, 2, 3] for p in prompts[3:7]]
+    expected = hf_reference(gpu_model_dir, batch, 32)
+    llm = gpu_llm(gpu_model_dir, "triton", False)
+    try:
+        assert min(captured) == 2 and max(captured) == 20  # the ladder's sizes, each in halves
+        for _ in range(2):
+            outs = llm.generate(batch, GREEDY, use_tqdm=False)
+            assert [o["token_ids"] for o in outs] == expected
+    finally:
+        llm.exit()
