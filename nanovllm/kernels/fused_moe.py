@@ -141,10 +141,22 @@ def fused_moe_ref(
     return out.sum(1, dtype=torch.float32).to(x.dtype)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit
+def _block_and_column(num_blocks, columns, group_blocks):
+    """This program's (block of pairs, column tile): ``group_blocks`` blocks at a time, their
+    column tiles in turn, so the programs in flight share those blocks' activations in L2 (with
+    ``group_blocks`` >= ``num_blocks``, every block's tile of one column before the next column)."""
+    pid = tl.program_id(0)
+    per_group = group_blocks * columns
+    first = (pid // per_group) * group_blocks
+    in_group = min(num_blocks - first, group_blocks)
+    return first + (pid % per_group) % in_group, (pid % per_group) // in_group
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "group_blocks"])
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr, x_scale_ptr, w_scale_ptr,
-    num_pairs, top_k, hidden, inter,
+    num_pairs, top_k, hidden, inter, num_blocks, group_blocks,
     stride_xm, stride_we, stride_wn, stride_wk, stride_om, stride_xsm, stride_wse, stride_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr, GROUP_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
@@ -155,14 +167,14 @@ def _gate_up_kernel(
     with ``GROUP_K`` (block scales) per token and ``GROUP_K`` features and per expert, row and
     ``GROUP_K`` features, each K step's sums scaled by its group's (``BLOCK_K`` divides
     ``GROUP_K``)."""
-    pid_m = tl.program_id(0)
+    pid_m, pid_n = _block_and_column(num_blocks, tl.cdiv(inter, BLOCK_N), group_blocks)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # the grid is sized for the worst case
         return
     rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     e = tl.load(expert_of_block_ptr + pid_m).to(tl.int64)
     valid = rows < num_pairs
     tokens = (rows // top_k).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tokens[:, None] * stride_xm + k[None, :]
     # [BLOCK_K, BLOCK_N] tiles of w^T; the up rows sit ``inter`` rows below the gate rows
@@ -206,11 +218,11 @@ def _gate_up_kernel(
     tl.store(out_ptrs, h, mask=valid[:, None] & (n[None, :] < inter))
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "group_blocks"])
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, expert_of_block_ptr, num_padded_ptr,
     h_scale_ptr, w_scale_ptr,
-    num_pairs, hidden, inter,
+    num_pairs, hidden, inter, num_blocks, group_blocks,
     stride_hm, stride_we, stride_wn, stride_wk, stride_om, stride_hsm, stride_wse, stride_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr, GROUP_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
@@ -218,14 +230,14 @@ def _down_kernel(
     """out[pair, n] = weight[pair] * (h[pair] @ down[e, n]) for one block of pairs. ``FP8``: ``h``
     and ``w`` hold e4m3 values, scaled per pair (``h_scale``) and per expert and row (``w_scale``)
     once the sums are done, or per K step with ``GROUP_K`` as in the gate / up kernel."""
-    pid_m = tl.program_id(0)
+    pid_m, pid_n = _block_and_column(num_blocks, tl.cdiv(hidden, BLOCK_N), group_blocks)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     e = tl.load(expert_of_block_ptr + pid_m).to(tl.int64)
     valid = rows < num_pairs
     rows64 = rows.to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows64[:, None] * stride_hm + k[None, :]
     w_ptrs = w_ptr + e * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk
@@ -312,7 +324,9 @@ def fused_moe(
     ``topk_ids`` must lie in ``[0, experts)`` (unchecked: checking would sync with the host).
     ``config`` overrides the tiles: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` (powers of two >= 16;
     ``BLOCK_K`` >= 32 for e4m3 weights), ``num_warps``, ``num_stages``, and ``FAST_ACCUM`` (e4m3
-    experts with per-row scales: sums kept in the tensor cores' accumulator; default on). With
+    experts with per-row scales: sums kept in the tensor cores' accumulator; default on), and
+    ``GROUP_BLOCKS``: blocks of pairs whose column tiles run together (default: all, one column
+    tile of every block after another). With
     e4m3 weights each GEMM's input is quantized by
     :func:`~nanovllm.kernels.fp8.quantize_per_token_group` first, and on CUDA it needs float8
     tensor cores (compute capability 8.9+)."""
@@ -352,9 +366,10 @@ def fused_moe(
     a, a_scale = quantize_per_token_group(x, group=GROUP if grouped else hidden) if fp8 else (x, x)
     w13_s = w13_scale if fp8 else x
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]))](
+    group_blocks = cfg.get("GROUP_BLOCKS") or num_blocks
+    _gate_up_kernel[(num_blocks * triton.cdiv(inter, tiles["BLOCK_N"]),)](
         a, w13, h, sorted_ids, expert_of_block, num_padded, a_scale, w13_s,
-        num_pairs, top_k, hidden, inter,
+        num_pairs, top_k, hidden, inter, num_blocks, group_blocks,
         a.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
         a_scale.stride(0), w13_s.stride(0), w13_s.stride(1),
         **launch,
@@ -362,9 +377,9 @@ def fused_moe(
     h, h_scale = quantize_per_token_group(h, group=GROUP if grouped else inter) if fp8 else (h, h)
     w2_s = w2_scale if fp8 else x
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, tiles["BLOCK_N"]))](
+    _down_kernel[(num_blocks * triton.cdiv(hidden, tiles["BLOCK_N"]),)](
         h, w2, out, weights, sorted_ids, expert_of_block, num_padded, h_scale, w2_s,
-        num_pairs, hidden, inter,
+        num_pairs, hidden, inter, num_blocks, group_blocks,
         h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
         h_scale.stride(0), w2_s.stride(0), w2_s.stride(1),
         **launch,

@@ -42,6 +42,16 @@ def test_kernel_with_idle_experts_and_small_tiles(dtype, tokens, used):
     check(*make_moe(tokens, 8, top_k, 80, 72, dtype, seed=len(used), used=used), SMALL)
 
 
+@pytest.mark.parametrize("group_blocks", [1, 2, 5, 7])
+def test_program_order_changes_nothing(group_blocks):
+    # blocks of pairs taken group_blocks at a time, each group's column tiles in turn: every
+    # (block, column) tile still computed once, to the same bits as the default order; 12
+    # blocks, 10 of them used, so that the last group is short and holds used blocks (7)
+    moe = make_moe(64, 4, 2, 80, 72, torch.float32, seed=3)
+    default = check(*moe, SMALL)
+    assert torch.equal(check(*moe, SMALL | {"GROUP_BLOCKS": group_blocks}), default)
+
+
 def test_kernel_on_a_strided_x_is_deterministic():
     x, w13, w2, weights, ids = make_moe(12, 4, 2, 48, 40, torch.float32)
     x = torch.cat([x, x.flip(0)], dim=1)[:, :48]  # row stride 96
