@@ -12,6 +12,7 @@ from tests.conftest import hf_greedy
 from tests.end_to_end.arrivals import num_mixed_steps, run_with_arrivals
 from tests.end_to_end.hf_oracle import float8_kv_attention, hf_logits
 from tests.end_to_end.prefill import prefill_logits
+from tests.execution.halves_recorder import record_halves
 
 pytestmark = [
     pytest.mark.gpu,
@@ -258,17 +259,7 @@ def test_small_batch_gemm_logits_close_to_hf(tmp_path, monkeypatch):
 def test_decode_graphs_in_two_halves_match_hf(gpu_model_dir, prompts, hf_reference, monkeypatch, mode):
     # every graph from 2 rows up runs its batch as two halves on two streams; rows of different
     # lengths, so that each half's own longest-first order matters
-    monkeypatch.setenv("NANOVLLM_DECODE_HALVES", mode)
-    monkeypatch.setenv("NANOVLLM_DECODE_HALVES_MIN_ROWS", "2")
-    from nanovllm.execution.decode_halves import DecodeHalves
-
-    captured, call = [], DecodeHalves.__call__
-
-    def counted(self, input_ids, *args):
-        captured.append(len(input_ids))
-        return call(self, input_ids, *args)
-
-    monkeypatch.setattr(DecodeHalves, "__call__", counted)
+    captured = record_halves(monkeypatch, mode, 2)
     batch = prompts + [p + [1, 2, 3] for p in prompts[3:7]]
     expected = hf_reference(gpu_model_dir, batch, 32)
     llm = gpu_llm(gpu_model_dir, "triton", False)

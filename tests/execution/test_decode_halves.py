@@ -6,7 +6,8 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention import AttentionMetadata
-from nanovllm.execution.decode_halves import DecodeHalves, halves_setting, rows_of
+from nanovllm.execution.decode_halves import halves_setting, rows_of
+from tests.execution.halves_recorder import record_halves
 
 
 @pytest.mark.parametrize(
@@ -48,15 +49,7 @@ def test_rows_of_a_batch_run_longest_first():
 
 def test_decode_steps_in_halves_match_hf(qwen3_dir, prompts, hf_reference, monkeypatch):
     # every padded size from 2 rows up runs in halves; rows of different lengths, a block edge crossed
-    monkeypatch.setenv("NANOVLLM_DECODE_HALVES", "offset-high")
-    monkeypatch.setenv("NANOVLLM_DECODE_HALVES_MIN_ROWS", "2")
-    sizes, call = [], DecodeHalves.__call__
-
-    def counted(self, input_ids, *args):
-        sizes.append(len(input_ids))
-        return call(self, input_ids, *args)
-
-    monkeypatch.setattr(DecodeHalves, "__call__", counted)
+    sizes = record_halves(monkeypatch, "offset-high", 2)
     batch = prompts[:5]
     options = dict(kvcache_block_size=16, max_model_len=128, max_num_seqs=8)
     llm = LLM(qwen3_dir, device="cpu", dtype="float32", **options)
