@@ -325,11 +325,10 @@ def fused_moe(
     ``config`` overrides the tiles: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` (powers of two >= 16;
     ``BLOCK_K`` >= 32 for e4m3 weights), ``num_warps``, ``num_stages``, and ``FAST_ACCUM`` (e4m3
     experts with per-row scales: sums kept in the tensor cores' accumulator; default on), and
-    ``GROUP_BLOCKS``: blocks of pairs whose column tiles run together (default: all, one column
-    tile of every block after another). With
-    e4m3 weights each GEMM's input is quantized by
-    :func:`~nanovllm.kernels.fp8.quantize_per_token_group` first, and on CUDA it needs float8
-    tensor cores (compute capability 8.9+)."""
+    ``GROUP_BLOCKS`` (blocks of pairs whose column tiles run together; default: all, so one
+    column tile of every block runs before the next column). With e4m3 weights each GEMM's input
+    is quantized by :func:`~nanovllm.kernels.fp8.quantize_per_token_group` first, and on CUDA it
+    needs float8 tensor cores (compute capability 8.9+)."""
     fp8, grouped = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     if x.stride(1) != 1:
         raise ValueError("x needs a unit stride in the last dimension")
