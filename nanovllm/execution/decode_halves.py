@@ -49,14 +49,21 @@ def rows_of(meta: AttentionMetadata, start: int, end: int) -> AttentionMetadata:
 
 class DecodeHalves:
     """``model``'s forward over a decode batch's rows ``[0, n/2)`` and ``[n/2, n)`` in ``mode``
-    (:func:`halves_setting`). Meant for CUDA-graph capture: hooks on the model's attention layers
-    are set for the call only. Off CUDA the halves run one after the other (the same outputs, for
-    tests)."""
+    (:func:`halves_setting`), taken for batches of ``min_rows`` or more. Meant for CUDA-graph
+    capture: hooks on the model's attention layers are set for the call only. Off CUDA the halves
+    run one after the other (the same outputs, for tests)."""
 
-    def __init__(self, model: nn.Module, mode: str):
+    @classmethod
+    def from_environment(cls, model: nn.Module, tp_size: int) -> "DecodeHalves | None":
+        """The halves :func:`halves_setting` asks for; None when off, or over several ranks (two
+        streams' all-reduces could cross)."""
+        mode, min_rows = halves_setting()
+        return cls(model, mode, min_rows) if mode != "off" and tp_size == 1 else None
+
+    def __init__(self, model: nn.Module, mode: str, min_rows: int = 2):
         if mode not in MODES[1:]:
             raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
-        self.model, self.mode = model, mode
+        self.model, self.mode, self.min_rows = model, mode, min_rows
         self.attentions = [m for m in model.modules() if isinstance(m, Attention)]
         self.streams, self.attention_streams = [], {}
         if torch.cuda.is_available():

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from nanovllm.config import SLEEP_TAGS, Config
 from nanovllm.execution.cuda_graph import DecodeGraphs
-from nanovllm.execution.decode_halves import DecodeHalves, halves_setting
+from nanovllm.execution.decode_halves import DecodeHalves
 from nanovllm.execution.kv_cache import KVCache
 from nanovllm.execution.loader import WeightMap, Weights, build_model, plan_weight_update
 from nanovllm.execution.logprobs import LogprobTensors, prompt_logprobs, to_host, token_logprobs
@@ -128,7 +128,6 @@ class ModelRunner:
         """A launched step still waiting for its token bitmask."""
         self.graphs: DecodeGraphs | None = None
         self.halves: DecodeHalves | None = None
-        self.halves_min_rows = 0
         self.kv_cache: KVCache | None = None
         with self._phase("profile"):
             num_blocks = KVCache.num_blocks_to_allocate(
@@ -196,11 +195,9 @@ class ModelRunner:
 
     def _capture_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
         """The decode graphs; ``capture=False``: their forward passes run eagerly (tests on CPU).
-        Sizes from ``NANOVLLM_DECODE_HALVES_MIN_ROWS`` up run as two halves where
-        ``NANOVLLM_DECODE_HALVES`` asks (one rank only: two streams' all-reduces could cross)."""
+        Large sizes run as two halves where the environment asks (:class:`DecodeHalves`)."""
         block_size, n = self.config.kvcache_block_size, self.config.max_num_seqs
-        mode, self.halves_min_rows = halves_setting()
-        self.halves = DecodeHalves(self.model, mode) if mode != "off" and self.tp.size == 1 else None
+        self.halves = DecodeHalves.from_environment(self.model, self.tp.size)
         self.inputs.build(dummy_batch([1] * n, block_size))  # every slot's table and sampling, once
 
         def prepare(bs: int) -> Callable[[], torch.Tensor]:
@@ -213,9 +210,8 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model's hidden states for a step's uploaded inputs: all a decode graph holds."""
         input_ids = inputs.resolve(self.last_sampled, self.inputs.slot_table.block_tables.device)
-        model = self.model
-        if self.halves is not None and (inputs.padded_rows or 0) >= self.halves_min_rows:
-            model = self.halves
+        halves = self.halves is not None and (inputs.padded_rows or 0) >= self.halves.min_rows
+        model = self.halves if halves else self.model
         return model(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths)
 
     @torch.inference_mode()
