@@ -42,10 +42,10 @@ def test_kernel_with_idle_experts_and_small_tiles(dtype, tokens, used):
     check(*make_moe(tokens, 8, top_k, 80, 72, dtype, seed=len(used), used=used), SMALL)
 
 
-@pytest.mark.parametrize("group_blocks", [1, 2, 5, 7])
+@pytest.mark.parametrize("group_blocks", [0, 1, 2, 5, 7])
 def test_program_order_changes_nothing(group_blocks):
-    # blocks of pairs taken group_blocks at a time, each group's column tiles in turn: every
-    # (block, column) tile still computed once, to the same bits as the default order; 12
+    # blocks of pairs taken group_blocks at a time (0: all), each group's column tiles in turn:
+    # every (block, column) tile still computed once, to the same bits as the default order; 12
     # blocks, 10 of them used, so that the last group is short and holds used blocks (7)
     moe = make_moe(64, 4, 2, 80, 72, torch.float32, seed=3)
     default = check(*moe, SMALL)
