@@ -207,9 +207,12 @@ class ModelRunner:
         return DecodeGraphs(prepare, n, capture)
 
     # --- one step ----------------------------------------------------------------------------
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The model's hidden states for a step's uploaded inputs: all a decode graph holds."""
+    def forward(self, inputs: StepInputs, output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's hidden states for a step's uploaded inputs (of ``output_rows`` only, where
+        given): all a decode graph holds."""
         input_ids = inputs.resolve(self.last_sampled, self.inputs.slot_table.block_tables.device)
+        if output_rows is not None:
+            return self.model(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths, output_rows)
         halves = self.halves is not None and (inputs.padded_rows or 0) >= self.halves.min_rows
         model = self.halves if halves else self.model
         return model(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths)
@@ -221,14 +224,16 @@ class ModelRunner:
         inputs = self.inputs.build(batch, pad_to=pad_to)
         if inputs.padded_rows is not None:
             hidden = self.graphs.replay(inputs.padded_rows)[: len(batch)]
-        else:
+        elif batch.is_decode or batch.prompt_logprobs:
             hidden = self.forward(inputs)
+        else:  # each row's last token only: the others' work ends with their last K and V
+            hidden = self.forward(inputs, inputs.last_token_index)
         prompt_lp = None
         if batch.prompt_logprobs:  # before keeping only each row's last token
             requests = batch.prompt_logprobs
             prompt_lp = prompt_logprobs(hidden, batch.num_tokens, requests, self.model.compute_logits)
-        if not batch.is_decode:
-            hidden = hidden[inputs.last_token_index]
+            if not batch.is_decode:
+                hidden = hidden[inputs.last_token_index]
         logits = self.model.compute_logits(hidden)
         if self.tp.rank != 0:
             if self.tp.size > 1 and self.config.async_scheduling:  # rank 0's samples, for a step ahead

@@ -51,9 +51,15 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, cos_sin: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+        self,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``cos_sin[positions]``: each token's rotary cos then sin."""
+        """``cos_sin[positions]``: each token's rotary cos then sin; ``output_rows``: the rows
+        projected out (default: all); every token's K and V are cached either way."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -61,6 +67,8 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.has_qk_norm else ()
         o = self.attn(q, k, v, QKTransform(positions, cos_sin, *norm), meta)
+        if output_rows is not None:
+            o = o[output_rows]
         return self.o_proj(o.flatten(1, -1))
 
 
@@ -135,12 +143,16 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``output_rows``: the rows carried past attention (default: all)."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, cos_sin, x, meta)
+        x = self.self_attn(positions, cos_sin, x, meta, output_rows)
+        if output_rows is not None:
+            residual = residual[output_rows]
         x, residual = self.post_attention_layernorm(x, residual)
         return getattr(self, self.ffn_name)(x), residual
 
@@ -171,6 +183,7 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         rope_lengths: torch.Tensor | None = None,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rope, cos_sin = self.rotary_emb, self.rotary_emb.cos_sin_cache
         if rope.is_dynamic:  # each token's own row, computed once for every layer
@@ -178,8 +191,10 @@ class DecoderModel(nn.Module):
             cos_sin = rope.cos_sin_rows(positions, positions + 1 if rope_lengths is None else rope_lengths)
             positions = torch.arange(positions.shape[0], device=positions.device)
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, cos_sin, x, residual, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            # the last layer's K and V are all a later step reads of the other rows
+            x, residual = layer(positions, cos_sin, x, residual, meta, output_rows if i == last else None)
         return self.norm(x, residual)[0]
 
 
@@ -239,10 +254,13 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         rope_lengths: torch.Tensor | None = None,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``rope_lengths``: each token's sequence length for dynamic rope scaling, the
-        longer of its position + 1 and its prompt (default: position + 1)."""
-        return self.model(input_ids, positions, meta, rope_lengths)
+        longer of its position + 1 and its prompt (default: position + 1). ``output_rows``:
+        the tokens whose hidden states are returned, in that order (default: all); the others
+        stop at the last layer's attention, once their K and V are cached."""
+        return self.model(input_ids, positions, meta, rope_lengths, output_rows)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden_states)
