@@ -6,7 +6,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 
 
-def rows_seen(llm: LLM) -> list[tuple[int, int, int]]:
+def rows_seen(llm: LLM) -> list[list[int]]:
     """Per forward pass: the rows into the first layer's o projection, the last layer's, and the LM head."""
     model = llm.executor.runner.model
     first, last = model.model.layers[0].self_attn.o_proj, model.model.layers[-1].self_attn.o_proj
