@@ -211,11 +211,9 @@ class ModelRunner:
         """The model's hidden states for a step's uploaded inputs (of ``output_rows`` only, where
         given): all a decode graph holds."""
         input_ids = inputs.resolve(self.last_sampled, self.inputs.slot_table.block_tables.device)
-        if output_rows is not None:
-            return self.model(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths, output_rows)
-        halves = self.halves is not None and (inputs.padded_rows or 0) >= self.halves.min_rows
-        model = self.halves if halves else self.model
-        return model(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths)
+        if self.halves is not None and (inputs.padded_rows or 0) >= self.halves.min_rows:
+            return self.halves(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths)
+        return self.model(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths, output_rows)
 
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> PendingOutput | None:

@@ -281,7 +281,7 @@ def _sum_over_k_kernel(pairs_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: t
 
 # Prompt steps of Qwen3-30B-A3B's experts on an H100 (`bench_fused_moe.py --config`), all blocks
 # against 8: 16,384 tokens 3478 -> 2873 us (16-bit), 2287 -> 1940 (e4m3); 4,096 tokens 1080 -> 893,
-# 721 -> 656; 2 to 16 within 5% of each other; decode sizes (256-1,024 tokens) unchanged or 1-7% faster
+# 721 -> 656; 2 to 32 within 9% of each other; decode sizes (256-1,024 tokens) unchanged or 1-7% faster
 GROUP_BLOCKS = 8
 
 
