@@ -45,6 +45,10 @@ class AttentionMetadata:
     decode: "AttentionMetadata | None" = None
     """In a step that mixes both, the decode rows (one query each), which come first: then
     ``slot_mapping`` covers every token, and the other fields describe the prompt rows only."""
+    last_tokens: "AttentionMetadata | None" = None
+    """In a step with prompt rows: every row's last token as one query against its whole
+    context, in row order (a decode step's form; its ``slot_mapping`` is the step's, every K/V
+    stored before), for a layer that only needs those rows' outputs."""
 
     @property
     def num_decode_tokens(self) -> int:

@@ -207,13 +207,13 @@ class ModelRunner:
         return DecodeGraphs(prepare, n, capture)
 
     # --- one step ----------------------------------------------------------------------------
-    def forward(self, inputs: StepInputs, output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The model's hidden states for a step's uploaded inputs (of ``output_rows`` only, where
-        given): all a decode graph holds."""
+    def forward(self, inputs: StepInputs, last_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's hidden states for a step's uploaded inputs (of each row's last token only,
+        given ``last_tokens``: ``inputs.last_token_index``): all a decode graph holds."""
         input_ids = inputs.resolve(self.last_sampled, self.inputs.slot_table.block_tables.device)
         if self.halves is not None and (inputs.padded_rows or 0) >= self.halves.min_rows:
             return self.halves(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths)
-        return self.model(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths, output_rows)
+        return self.model(input_ids, inputs.positions, inputs.meta, inputs.rope_lengths, last_tokens)
 
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> PendingOutput | None:

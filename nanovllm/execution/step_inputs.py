@@ -70,6 +70,9 @@ class _TokenArrays:
     cu_seqlens_q: np.ndarray | None = None
     cu_seqlens_k: np.ndarray | None = None
     last_token_index: np.ndarray | None = None
+    last_token_order: np.ndarray | None = None
+    """With prompt chunks: every row, longest context first, as ``decode_order`` has the decode
+    rows: the order the rows' last tokens are attended in (``AttentionMetadata.last_tokens``)."""
 
 
 @dataclass(slots=True)
@@ -178,6 +181,7 @@ class StepInputBuilder:
             arrays.cu_seqlens_q = (cu_q[d:] - d).astype(np.int32)
             arrays.cu_seqlens_k = cu_k
             arrays.last_token_index = cu_q[1:] - 1
+            arrays.last_token_order = np.argsort(-context_lens, kind="stable").astype(np.int32)
         sampling = max_logprobs = None
         if table.sampling is not None:
             prompt_lens = table.num_prompt_tokens[slots]
@@ -255,6 +259,15 @@ class StepInputBuilder:
                 has_prefix=bool(starts[:d].any()),
                 decode_order=arrays.decode_order,
             )
+        last_tokens = AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=arrays.slot_mapping,
+            context_lens=arrays.context_lens,
+            block_tables=block_tables,
+            max_seqlen_k=int(context_lens.max()),
+            has_prefix=bool(starts.any()),
+            decode_order=arrays.last_token_order,
+        )
         return AttentionMetadata(
             is_prefill=True,
             slot_mapping=arrays.slot_mapping,
@@ -267,4 +280,5 @@ class StepInputBuilder:
             max_seqlen_k=int(context_lens[d:].max()),
             has_prefix=bool(starts[d:].any()),
             decode=decode,
+            last_tokens=last_tokens,
         )

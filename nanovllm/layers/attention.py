@@ -45,13 +45,18 @@ class Attention(nn.Module):
         v: torch.Tensor,
         transform: QKTransform,
         meta: AttentionMetadata,
+        last_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: ``[tokens, heads, head_dim]``; k, v: ``[tokens, kv_heads, head_dim]``, before
-        ``transform`` (q and k may be rewritten in place)."""
+        ``transform`` (q and k may be rewritten in place). ``last_tokens``: in a step with prompt
+        rows, the index of each row's last token (``StepInputs.last_token_index``): only those
+        rows are attended and returned, every token's K/V still stored."""
         backend, cache = self.backend, (self.k_cache, self.v_cache, self.kv_layout)
         if not meta.is_prefill:
             return backend.prepare_and_decode(q, k, v, *cache, meta, transform, self.scale)
         q, k = backend.prepare(q, k, v, *cache, meta.slot_mapping, transform)
+        if last_tokens is not None:  # one query a row, over its whole context: a decode step's form
+            return backend.decode(q[last_tokens], *cache, meta.last_tokens, self.scale)
         d = meta.num_decode_tokens
         if not d:
             return backend.prefill(q, k, v, *cache, meta, self.scale)

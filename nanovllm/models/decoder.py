@@ -56,19 +56,18 @@ class DecoderAttention(nn.Module):
         cos_sin: torch.Tensor,
         x: torch.Tensor,
         meta: AttentionMetadata,
-        output_rows: torch.Tensor | None = None,
+        last_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``cos_sin[positions]``: each token's rotary cos then sin; ``output_rows``: the rows
-        projected out (default: all); every token's K and V are cached either way."""
+        """``cos_sin[positions]``: each token's rotary cos then sin; ``last_tokens``: each row's
+        last token, the only rows attended and projected out (default: every token); every
+        token's K and V are cached either way."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.has_qk_norm else ()
-        o = self.attn(q, k, v, QKTransform(positions, cos_sin, *norm), meta)
-        if output_rows is not None:
-            o = o[output_rows]
+        o = self.attn(q, k, v, QKTransform(positions, cos_sin, *norm), meta, last_tokens)
         return self.o_proj(o.flatten(1, -1))
 
 
@@ -143,16 +142,17 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
-        output_rows: torch.Tensor | None = None,
+        last_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``output_rows``: the rows carried past attention (default: all)."""
+        """``last_tokens``: each row's last token, the only rows carried past attention (default:
+        every token)."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, cos_sin, x, meta, output_rows)
-        if output_rows is not None:
-            residual = residual[output_rows]
+        x = self.self_attn(positions, cos_sin, x, meta, last_tokens)
+        if last_tokens is not None:
+            residual = residual[last_tokens]
         x, residual = self.post_attention_layernorm(x, residual)
         return getattr(self, self.ffn_name)(x), residual
 
@@ -183,7 +183,7 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         rope_lengths: torch.Tensor | None = None,
-        output_rows: torch.Tensor | None = None,
+        last_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rope, cos_sin = self.rotary_emb, self.rotary_emb.cos_sin_cache
         if rope.is_dynamic:  # each token's own row, computed once for every layer
@@ -194,7 +194,7 @@ class DecoderModel(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             # the last layer's K and V are all a later step reads of the other rows
-            x, residual = layer(positions, cos_sin, x, residual, meta, output_rows if i == last else None)
+            x, residual = layer(positions, cos_sin, x, residual, meta, last_tokens if i == last else None)
         return self.norm(x, residual)[0]
 
 
@@ -254,13 +254,14 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         rope_lengths: torch.Tensor | None = None,
-        output_rows: torch.Tensor | None = None,
+        last_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``rope_lengths``: each token's sequence length for dynamic rope scaling, the
-        longer of its position + 1 and its prompt (default: position + 1). ``output_rows``:
-        the tokens whose hidden states are returned, in that order (default: all); the others
-        stop at the last layer's attention, once their K and V are cached."""
-        return self.model(input_ids, positions, meta, rope_lengths, output_rows)
+        longer of its position + 1 and its prompt (default: position + 1). ``last_tokens``:
+        each row's last token (``StepInputs.last_token_index``), whose hidden states alone are
+        returned (default: every token's); the others stop at the last layer's attention, once
+        their K and V are cached."""
+        return self.model(input_ids, positions, meta, rope_lengths, last_tokens)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden_states)

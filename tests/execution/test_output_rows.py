@@ -1,5 +1,5 @@
-"""A prompt step carries only its sampled rows past the last layer's attention: every token's K and V
-are cached, the other rows' o projection and MLP there are skipped. Same tokens as HF."""
+"""A prompt step carries only its sampled rows through the last layer's attention: every token's K
+and V are cached, the other rows' queries, o projection and MLP there are skipped. Same tokens as HF."""
 
 import pytest
 
@@ -42,3 +42,41 @@ def test_prompt_logprobs_keep_every_row(qwen3_dir, prompts):
     assert len(out.prompt_logprobs) == len(prompts[4])
     tokens, last = seen[0][:2]  # then the LM head's calls for the prompt's logprobs and the sample
     assert tokens == last == len(prompts[4])
+
+
+def test_the_last_layer_attends_only_each_rows_last_token(qwen3_dir, prompts, hf_reference):
+    # in prompt steps the last layer's attention runs in decode form, one query a row against its
+    # whole context (cached prefix, earlier chunks, this step's tokens), and no prompt attention
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256,
+              max_num_batched_tokens=48, enable_prefix_caching=True)  # fmt: skip
+    try:
+        model = llm.executor.runner.model
+        attn = model.model.layers[-1].self_attn.attn
+        backend = attn.backend
+        steps: list[tuple[list, list]] = []  # per forward pass: the last layer's attention, LM head rows
+        inside = []
+
+        def enter(*_):
+            inside.append(True)
+            steps.append(([], []))
+
+        attn.register_forward_pre_hook(enter)
+        attn.register_forward_hook(lambda *_: inside.clear())
+        for name in ("prefill", "decode", "prepare_and_decode"):
+            method = getattr(backend, name)
+
+            def spy(q, *args, name=name, method=method, **kwargs):
+                if inside:
+                    steps[-1][0].append((name, len(q)))
+                return method(q, *args, **kwargs)
+
+            setattr(backend, name, spy)
+        model.lm_head.register_forward_pre_hook(lambda _, args: steps[-1][1].append(len(args[0])))
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        outs = llm.generate(prompts + prompts[4:], greedy, use_tqdm=False)  # the repeats hit the cache
+    finally:
+        llm.exit()
+    assert [o["token_ids"] for o in outs] == hf_reference(qwen3_dir, prompts + prompts[4:], 4)
+    for calls, [rows] in steps:
+        assert calls and all(name != "prefill" and n == rows for name, n in calls)
+    assert sum(("prepare_and_decode", rows) not in calls for calls, [rows] in steps) > 1  # prompt steps

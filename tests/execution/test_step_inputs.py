@@ -95,6 +95,11 @@ class CheckedHarness(Harness):
                 assert meta.decode.context_lens.tolist() == ends[:d]
                 assert meta.decode.block_tables.tolist() == meta_tables[:d]
             assert meta.block_tables.tolist() == meta_tables[d:]
+            # every row's last token as a decode row, over its whole context
+            last = meta.last_tokens
+            assert not last.is_prefill and last.context_lens.tolist() == ends
+            assert last.block_tables.tolist() == meta_tables
+            assert [ends[r] for r in last.decode_order.tolist()] == sorted(ends, reverse=True)
         self.steps_checked += 1
 
     def check_padding(self, inputs, resolved_ids, n):
