@@ -207,15 +207,7 @@ class StepInputBuilder:
         if changes is not None:
             table.block_tables.write_slots(changes.slots, changes.tables)
         if batch.is_decode:
-            meta = AttentionMetadata(
-                is_prefill=False,
-                slot_mapping=arrays.slot_mapping,
-                context_lens=arrays.context_lens,
-                block_tables=block_tables,
-                max_seqlen_k=int(context_lens.max()),
-                has_prefix=bool(starts.any()),
-                decode_order=arrays.decode_order,
-            )
+            meta = _decode_form(arrays, block_tables, starts, context_lens, slice(None), arrays.decode_order)
         else:
             meta = self._mixed_metadata(arrays, block_tables, d, starts, q_lens, context_lens)
         return StepInputs(
@@ -247,27 +239,10 @@ class StepInputBuilder:
     @staticmethod
     def _mixed_metadata(arrays, block_tables, d, starts, q_lens, context_lens) -> AttentionMetadata:
         """Prompt rows described from row ``d`` on; the ``d`` single-token rows before them, if
-        any, in a metadata of their own."""
-        decode = None
-        if d:
-            decode = AttentionMetadata(
-                is_prefill=False,
-                slot_mapping=arrays.slot_mapping[:d],
-                context_lens=arrays.context_lens[:d],
-                block_tables=block_tables[:d],
-                max_seqlen_k=int(context_lens[:d].max()),
-                has_prefix=bool(starts[:d].any()),
-                decode_order=arrays.decode_order,
-            )
-        last_tokens = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=arrays.slot_mapping,
-            context_lens=arrays.context_lens,
-            block_tables=block_tables,
-            max_seqlen_k=int(context_lens.max()),
-            has_prefix=bool(starts.any()),
-            decode_order=arrays.last_token_order,
-        )
+        any, in a metadata of their own; every row's last token in another (``last_tokens``)."""
+        step = (arrays, block_tables, starts, context_lens)
+        decode = _decode_form(*step, slice(d), arrays.decode_order) if d else None
+        last_tokens = _decode_form(*step, slice(None), arrays.last_token_order)
         return AttentionMetadata(
             is_prefill=True,
             slot_mapping=arrays.slot_mapping,
@@ -282,3 +257,18 @@ class StepInputBuilder:
             decode=decode,
             last_tokens=last_tokens,
         )
+
+
+def _decode_form(arrays, block_tables, starts, context_lens, rows: slice, order) -> AttentionMetadata:
+    """Rows ``rows`` of a step (one query each, against its whole context) as a decode step's
+    metadata, attended in ``order``. The slot mapping is cut alike: a decode row's one token;
+    for ``last_tokens`` (every row) the step's whole mapping, which the step has used already."""
+    return AttentionMetadata(
+        is_prefill=False,
+        slot_mapping=arrays.slot_mapping[rows],
+        context_lens=arrays.context_lens[rows],
+        block_tables=block_tables[rows],
+        max_seqlen_k=int(context_lens[rows].max()),
+        has_prefix=bool(starts[rows].any()),
+        decode_order=order,
+    )
