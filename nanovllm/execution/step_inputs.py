@@ -207,7 +207,8 @@ class StepInputBuilder:
         if changes is not None:
             table.block_tables.write_slots(changes.slots, changes.tables)
         if batch.is_decode:
-            meta = _decode_form(arrays, block_tables, starts, context_lens, slice(None), arrays.decode_order)
+            rows = (arrays.slot_mapping, arrays.context_lens, block_tables, context_lens, starts)
+            meta = _decode_form(*rows, arrays.decode_order)
         else:
             meta = self._mixed_metadata(arrays, block_tables, d, starts, q_lens, context_lens)
         return StepInputs(
@@ -240,9 +241,9 @@ class StepInputBuilder:
     def _mixed_metadata(arrays, block_tables, d, starts, q_lens, context_lens) -> AttentionMetadata:
         """Prompt rows described from row ``d`` on; the ``d`` single-token rows before them, if
         any, in a metadata of their own; every row's last token in another (``last_tokens``)."""
-        step = (arrays, block_tables, starts, context_lens)
-        decode = _decode_form(*step, slice(d), arrays.decode_order) if d else None
-        last_tokens = _decode_form(*step, slice(None), arrays.last_token_order)
+        every = (arrays.slot_mapping, arrays.context_lens, block_tables, context_lens, starts)
+        decode = _decode_form(*(a[:d] for a in every), arrays.decode_order) if d else None
+        last_tokens = _decode_form(*every, arrays.last_token_order)
         return AttentionMetadata(
             is_prefill=True,
             slot_mapping=arrays.slot_mapping,
@@ -259,16 +260,17 @@ class StepInputBuilder:
         )
 
 
-def _decode_form(arrays, block_tables, starts, context_lens, rows: slice, order) -> AttentionMetadata:
-    """Rows ``rows`` of a step (one query each, against its whole context) as a decode step's
-    metadata, attended in ``order``. The slot mapping is cut alike: a decode row's one token;
-    for ``last_tokens`` (every row) the step's whole mapping, which the step has used already."""
+def _decode_form(slot_mapping, context_lens, block_tables, host_lens, starts, order) -> AttentionMetadata:
+    """Rows as a decode step's metadata: one query each against its whole context (``host_lens``
+    long, on the host; ``starts``: the tokens cached before the step), attended in ``order``.
+    ``slot_mapping``: a decode row's one token each; for ``last_tokens`` (every row of a prompt
+    step) the step's whole mapping, which the step has used already."""
     return AttentionMetadata(
         is_prefill=False,
-        slot_mapping=arrays.slot_mapping[rows],
-        context_lens=arrays.context_lens[rows],
-        block_tables=block_tables[rows],
-        max_seqlen_k=int(context_lens[rows].max()),
-        has_prefix=bool(starts[rows].any()),
+        slot_mapping=slot_mapping,
+        context_lens=context_lens,
+        block_tables=block_tables,
+        max_seqlen_k=int(host_lens.max()),
+        has_prefix=bool(starts.any()),
         decode_order=order,
     )
